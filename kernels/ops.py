@@ -1,0 +1,67 @@
+"""Backend dispatch: one small table of callables per backend, picked once by the model.
+
+    ops = get_ops(select_backend(device))
+    ops.rms_norm(x, weight, eps, residual=None)       -> out | (out, residual_out)
+    ops.rotary(q, k, positions, cos_sin_cache)        in place
+    ops.silu_and_mul(x)                               -> [N, I]
+    ops.store_kv(key, value, key_cache, value_cache, slot_mapping)   in place
+    ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                        cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
+
+'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'torch'
+runs the pure-torch references, which are also the production CPU path. Both backends share one
+contract per op; see each kernel module's docstring.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
+BACKENDS = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable
+    rotary: Callable
+    silu_and_mul: Callable
+    store_kv: Callable
+    paged_attention: Callable
+
+
+def select_backend(device: torch.device | str) -> str:
+    """``$PDSERVE_ATTENTION_BACKEND`` if set, else 'triton' on CUDA and 'torch' elsewhere."""
+    forced = os.environ.get(BACKEND_ENV)
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {'|'.join(BACKENDS)}, got {forced!r}")
+        return forced
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def get_ops(backend: str) -> Ops:
+    """The op table of ``backend`` ('triton' or 'torch')."""
+    if backend == "torch":
+        from kernels.activation import silu_and_mul_ref
+        from kernels.paged_attention_ref import paged_attention_ref
+        from kernels.rms_norm import rms_norm_ref
+        from kernels.rotary import rotary_ref
+        from kernels.store_kv import store_kv_ref
+
+        return Ops(rms_norm=rms_norm_ref, rotary=rotary_ref, silu_and_mul=silu_and_mul_ref,
+                   store_kv=store_kv_ref, paged_attention=paged_attention_ref)
+    if backend == "triton":
+        from kernels.activation import silu_and_mul
+        from kernels.paged_attention import paged_attention
+        from kernels.rms_norm import rms_norm
+        from kernels.rotary import rotary
+        from kernels.store_kv import store_kv
+
+        return Ops(rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
+                   store_kv=store_kv, paged_attention=paged_attention)
+    raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")

@@ -1,0 +1,144 @@
+"""Paged attention in pure torch: the reference for the Triton kernel and the CPU production path.
+
+Contract (shared with ``kernels.paged_attention.paged_attention``)::
+
+    query        [num_tokens, num_heads, head_dim]   tokens of all sequences, flattened;
+                 sequence i owns rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
+    key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   strided view, read in place
+    value_cache  same shape and strides as key_cache
+    block_tables [num_seqs, max_blocks_per_seq]  int32 (int64 accepted); entries past a
+                 sequence's last block are never read
+    seq_lens     [num_seqs]   context length INCLUDING this step's query tokens (their K/V are
+                 already in the cache)
+    cu_seqlens_q [num_seqs + 1]   cumulative query lengths, cu_seqlens_q[0] == 0
+    out          [num_tokens, num_heads, head_dim] in query's dtype
+
+    The q_len query tokens of sequence i sit at positions seq_len - q_len .. seq_len - 1, and
+    the query at position p attends to keys 0..p (causal). Query head h reads KV head
+    h // (num_heads // num_kv_heads) (GQA / MQA). Softmax and accumulation are fp32.
+
+Every cache slot below seq_len must hold a finite value; slots past seq_len are never read by
+the Triton kernel, but this reference multiplies them by a zero weight, so allocate the cache
+with ``torch.zeros`` (not ``torch.empty``) to keep NaN bit patterns out of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+
+
+def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                         max_seqlen_q, scale, out) -> None:
+    """Shapes, dtypes, devices and strides (no device-to-host reads)."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, num_heads, head_dim = query.shape
+    device = query.device
+    check_tensor("key_cache", key_cache, shape=(None, None, None, head_dim), dtypes=FLOAT_DTYPES,
+                 device=device, last_dim_contiguous=True)
+    num_kv_heads = key_cache.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query's num_heads ({num_heads}) must be a multiple of key_cache's "
+                         f"num_kv_heads ({num_kv_heads})")
+    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtypes=(key_cache.dtype,),
+                 device=device, last_dim_contiguous=True)
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value_cache must have the strides of key_cache {key_cache.stride()}, "
+                         f"got {value_cache.stride()}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    num_seqs = block_tables.shape[0]
+    check_tensor("seq_lens", seq_lens, shape=(num_seqs,), dtypes=INDEX_DTYPES, device=device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(num_seqs + 1,), dtypes=INDEX_DTYPES,
+                 device=device)
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be an int >= 1, got {max_seqlen_q!r}")
+    if not isinstance(scale, (int, float)) or scale <= 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    if out is not None:
+        check_tensor("out", out, shape=tuple(query.shape), dtypes=(query.dtype,), device=device,
+                     last_dim_contiguous=True)
+
+
+def check_attention_values(seq_lens: list[int], cu_seqlens_q: list[int], num_tokens: int,
+                           max_seqlen_q: int, max_context: int) -> None:
+    """Host-side value checks (the reference reads these lists anyway)."""
+    if cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens_q must start at 0 and end at num_tokens ({num_tokens}), "
+                         f"got {cu_seqlens_q}")
+    for i, seq_len in enumerate(seq_lens):
+        q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i]
+        if not 0 <= q_len <= min(seq_len, max_seqlen_q):
+            raise ValueError(f"sequence {i}: query length {q_len} must be in 0..min(seq_len={seq_len}, "
+                             f"max_seqlen_q={max_seqlen_q})")
+        if seq_len > max_context:
+            raise ValueError(f"sequence {i}: seq_len {seq_len} exceeds block_tables capacity "
+                             f"({max_context} = max_blocks_per_seq * block_size)")
+
+
+def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring. Sequences with one query token (decode) go through one padded
+    batched matmul; longer queries (prefill chunks, spec verification) through SDPA per sequence."""
+    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                         max_seqlen_q, scale, out)
+    block_size = key_cache.shape[1]
+    lens, cu = seq_lens.tolist(), cu_seqlens_q.tolist()
+    check_attention_values(lens, cu, query.shape[0], max_seqlen_q, block_tables.shape[1] * block_size)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    decode_ids = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+    if decode_ids:
+        _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, decode_ids, scale, out)
+    for i, seq_len in enumerate(lens):
+        if cu[i + 1] - cu[i] > 1:
+            _extend(query, key_cache, value_cache, block_tables[i], seq_len, cu[i], cu[i + 1], scale, out)
+    return out
+
+
+def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, decode_ids, scale, out):
+    """All single-token queries at once: gather their blocks into [B, L, head_dim] per KV head."""
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    device = query.device
+    ids = torch.tensor(decode_ids, device=device)
+    rows = torch.tensor([cu[i] for i in decode_ids], device=device)
+    max_len = max(lens[i] for i in decode_ids)
+    num_blocks = -(-max_len // block_size)
+    blocks = block_tables.index_select(0, ids)[:, :num_blocks].long().clamp_(min=0)  # [B, nblk]
+    batch = len(decode_ids)
+    # key positions at or past a sequence's length are padding: [B, 1, L]
+    is_pad = (torch.arange(num_blocks * block_size, device=device)[None, :]
+              >= seq_lens.index_select(0, ids)[:, None].long()).unsqueeze(1)
+    q = query.index_select(0, rows).float().view(batch, num_kv_heads, group, -1)
+    res = torch.empty_like(q)
+    for h in range(num_kv_heads):
+        # [B, nblk, block_size, head_dim] contiguous copy -> [B, L, head_dim]
+        k = key_cache[:, :, h][blocks].float().view(batch, num_blocks * block_size, -1)
+        v = value_cache[:, :, h][blocks].float().view(batch, num_blocks * block_size, -1)
+        scores = torch.bmm(q[:, h], k.transpose(1, 2)).mul_(scale).masked_fill_(is_pad, float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), v, out=res[:, h])
+    out.index_copy_(0, rows, res.view(batch, -1, res.shape[-1]).to(out.dtype))
+
+
+def _extend(query, key_cache, value_cache, block_table, seq_len, start, end, scale, out):
+    """One sequence with q_len > 1: queries at positions seq_len-q_len.. attend causally."""
+    block_size = key_cache.shape[1]
+    q_len = end - start
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, num_kv_heads, head_dim]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+    q = query[start:end].float()
+    if q_len == seq_len:
+        mask, causal = None, True
+    else:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Q, S]
+        causal = False
+    res = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=True)
+    out[start:end] = res.transpose(0, 1).to(out.dtype)

@@ -1,0 +1,85 @@
+"""Rotary position embedding, rotate-half (NeoX / HF Llama) style, applied in place to q and k.
+
+For each head vector x = [x1 | x2] (halves of head_dim) at position p:
+    x1' = x1 * cos(p * f) - x2 * sin(p * f)
+    x2' = x2 * cos(p * f) + x1 * sin(p * f)
+The frequencies f live in ``cos_sin_cache: [max_pos, head_dim]`` = [cos | sin], fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels._checks import FLOAT_DTYPES, check_tensor
+from kernels._triton import check_launchable, tl, triton
+
+if TYPE_CHECKING:
+    from engine.config import RopeScaling
+
+
+def build_cos_sin_cache(head_dim: int, max_pos: int, base: float,
+                        rope_scaling: RopeScaling | None = None) -> torch.Tensor:
+    """[max_pos, head_dim] fp32 = [cos | sin] of position * inv_freq, as HF computes them.
+
+    rope_scaling.kind: 'none'; 'linear' (positions divided by factor); 'llama3' (long wavelengths
+    divided by factor, short ones kept, a smooth blend between; HF ``_compute_llama3_parameters``).
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
+    if max_pos <= 0:
+        raise ValueError(f"max_pos must be positive, got {max_pos}")
+    kind = "none" if rope_scaling is None else rope_scaling.kind
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(max_pos, dtype=torch.int64).float()
+    if kind == "linear":
+        positions = positions / rope_scaling.factor
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif kind != "none":
+        raise ValueError(f"rope_scaling.kind must be 'none', 'linear' or 'llama3', got {kind!r}")
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _check_args(q, k, positions, cos_sin_cache) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"q must have an even head_dim, got shape {tuple(q.shape)}")
+    check_tensor("k", k, shape=(num_tokens, None, head_dim), dtypes=(q.dtype,), device=q.device,
+                 last_dim_contiguous=True)
+    check_tensor("positions", positions, shape=(num_tokens,), dtypes=(torch.int64, torch.int32),
+                 device=q.device)
+    check_tensor("cos_sin_cache", cos_sin_cache, shape=(None, head_dim), dtypes=(torch.float32,),
+                 device=q.device)
+    if not cos_sin_cache.is_contiguous():
+        raise ValueError(f"cos_sin_cache must be contiguous, got strides {cos_sin_cache.stride()}")
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> None:
+    """q: [N, num_heads, head_dim], k: [N, num_kv_heads, head_dim] (views allowed), positions: [N].
+    Rotates q and k in place; math in fp32."""
+    _check_args(q, k, positions, cos_sin_cache)
+    half = q.shape[-1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions.long()).unsqueeze(1)  # [N, 1, head_dim]
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+    for x in (q, k):
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
