@@ -53,3 +53,67 @@ def copy_blocks_ref(kv_cache: torch.Tensor, src_ids: torch.Tensor, dst_ids: torc
     _check_ids("src_ids", src_ids, kv_cache)
     _check_ids("dst_ids", dst_ids, kv_cache, src_ids.shape[0])
     kv_cache.index_copy_(0, dst_ids.long(), kv_cache.index_select(0, src_ids.long()))
+
+
+@triton.jit
+def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel,
+                        src_stride, dst_stride, SRC_INDEXED: tl.constexpr,
+                        DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (i, j) copies chunk j of block i. A side that is not indexed is the packed buffer,
+    # whose row i is block i.
+    i = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < block_numel
+    src_row = i
+    dst_row = i
+    if SRC_INDEXED:
+        src_row = tl.load(src_ids_ptr + i).to(tl.int64)
+    if DST_INDEXED:
+        dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
+    data = tl.load(src_ptr + src_row * src_stride + offs, mask=mask)
+    tl.store(dst_ptr + dst_row * dst_stride + offs, data, mask=mask)
+
+
+def _launch(src, dst, src_ids, dst_ids, num, block_numel, src_stride, dst_stride) -> None:
+    check_launchable(src.device)
+    if num == 0 or block_numel == 0:
+        return
+    block = min(4096, triton.next_power_of_2(block_numel))
+    ids = src_ids if src_ids is not None else dst_ids
+    _copy_blocks_kernel[(num, triton.cdiv(block_numel, block))](
+        src, dst, src_ids if src_ids is not None else ids, dst_ids if dst_ids is not None else ids,
+        block_numel, src_stride, dst_stride,
+        SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None, BLOCK=block)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`gather_blocks_ref`."""
+    block_numel = _check_cache(kv_cache)
+    _check_ids("block_ids", block_ids, kv_cache)
+    packed = torch.empty((block_ids.shape[0], block_numel), dtype=kv_cache.dtype, device=kv_cache.device)
+    _launch(kv_cache, packed, block_ids, None, block_ids.shape[0], block_numel, kv_cache.stride(0),
+            block_numel)
+    return packed
+
+
+def scatter_blocks(packed: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Triton version of :func:`scatter_blocks_ref`; ``packed`` must be contiguous."""
+    block_numel = _check_cache(kv_cache)
+    _check_ids("block_ids", block_ids, kv_cache)
+    check_tensor("packed", packed, shape=(block_ids.shape[0], block_numel), dtypes=(kv_cache.dtype,),
+                 device=kv_cache.device)
+    if not packed.is_contiguous():
+        raise ValueError(f"packed must be contiguous, got strides {packed.stride()}")
+    _launch(packed, kv_cache, None, block_ids, block_ids.shape[0], block_numel, block_numel,
+            kv_cache.stride(0))
+
+
+def copy_blocks(kv_cache: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Triton version of :func:`copy_blocks_ref`. Unlike the reference, blocks are copied in
+    parallel, so ``dst_ids`` must be distinct and disjoint from ``src_ids`` (not checked: that
+    would need a device sync; copy-on-write targets are fresh blocks)."""
+    block_numel = _check_cache(kv_cache)
+    _check_ids("src_ids", src_ids, kv_cache)
+    _check_ids("dst_ids", dst_ids, kv_cache, src_ids.shape[0])
+    _launch(kv_cache, kv_cache, src_ids, dst_ids, src_ids.shape[0], block_numel, kv_cache.stride(0),
+            kv_cache.stride(0))

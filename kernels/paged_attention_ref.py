@@ -7,7 +7,7 @@ Contract (shared with ``kernels.paged_attention.paged_attention``)::
     key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   strided view, read in place
     value_cache  same shape and strides as key_cache
     block_tables [num_seqs, max_blocks_per_seq]  int32 (int64 accepted); entries past a
-                 sequence's last block are never read
+                 sequence's last block may hold anything (-1, stale ids): they are masked
     seq_lens     [num_seqs]   context length INCLUDING this step's query tokens (their K/V are
                  already in the cache)
     cu_seqlens_q [num_seqs + 1]   cumulative query lengths, cu_seqlens_q[0] == 0
@@ -108,7 +108,8 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, dec
     rows = torch.tensor([cu[i] for i in decode_ids], device=device)
     max_len = max(lens[i] for i in decode_ids)
     num_blocks = -(-max_len // block_size)
-    blocks = block_tables.index_select(0, ids)[:, :num_blocks].long().clamp_(min=0)  # [B, nblk]
+    # rows of shorter sequences run past their last block: clamp those entries to any valid id
+    blocks = block_tables.index_select(0, ids)[:, :num_blocks].long().clamp_(0, key_cache.shape[0] - 1)
     batch = len(decode_ids)
     # key positions at or past a sequence's length are padding: [B, 1, L]
     is_pad = (torch.arange(num_blocks * block_size, device=device)[None, :]

@@ -83,3 +83,52 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         xf = x.float()
         x1, x2 = xf[..., :half], xf[..., half:]
         x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    ptr1 = x_ptr + heads * stride_h + dims
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr1 + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr1 + half, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
+    num_heads, num_kv_heads, half,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: all its q heads and k heads share one cos/sin row.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_mask = dims < half
+    cos = tl.load(cos_sin_ptr + pos * stride_cache + dims, mask=cs_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cache + half + dims, mask=cs_mask, other=0.0)
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half, BLOCK_HK,
+                  BLOCK_HALF)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> None:
+    """Triton version of :func:`rotary_ref` (same contract, in place)."""
+    _check_args(q, k, positions, cos_sin_cache)
+    check_launchable(q.device)
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos_sin_cache,
+        num_heads, k.shape[1], head_dim // 2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+    )

@@ -44,3 +44,42 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
     block_ids, offsets = slots // block_size, slots % block_size
     key_cache[block_ids, offsets] = key.to(key_cache.dtype)
     value_cache[block_ids, offsets] = value.to(value_cache.dtype)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    num_kv_heads, head_dim, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token: copy its [num_kv_heads, head_dim] K and V into its slot.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < num_kv_heads) & (dims < head_dim)
+        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + heads * stride_ch + dims
+        k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton version of :func:`store_kv_ref` (same contract)."""
+    _check_args(key, value, key_cache, value_cache, slot_mapping)
+    check_launchable(key.device)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        num_kv_heads, head_dim, key_cache.shape[1],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )

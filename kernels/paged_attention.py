@@ -1,0 +1,257 @@
+"""Unified paged attention in Triton: decode, chunked prefill, prefill on a cached prefix and
+speculative verification in one kernel (every sequence has query length >= 1).
+
+The contract (shapes, causality, GQA) is in :mod:`kernels.paged_attention_ref`, whose
+``paged_attention_ref`` is re-exported here.
+
+Work decomposition. Program (tile, kv_head, split) owns BLOCK_Q consecutive query tokens of one
+sequence and all G = num_heads // num_kv_heads query heads that read ``kv_head``, stacked as
+BLOCK_M = BLOCK_Q * G_PAD rows, so each K/V tile loaded from the cache serves the whole GQA group::
+
+    row r of the tile:  query token q_start + r // G_PAD,  head kv_head * G + r % G_PAD
+
+Tiles are numbered per sequence from ``cu_seqlens_q[i] // BLOCK_Q + i`` (an upper bound on the
+tiles of the sequences before i, so the grid needs no host-side prefix sum); a program finds its
+sequence by binary search and exits if its tile is past the sequence's queries.
+
+Keys are walked TILE_N at a time with online softmax (fp32, exp2 domain). Each key position n
+maps to its cache slot through the block table (block_tables[seq, n // block_size]), so TILE_N
+may be larger or smaller than block_size.
+
+Split-KV (flash decoding): with NUM_SPLITS > 1, split s walks only its share of the key tiles and
+writes an unnormalised partial (acc, max, sum) to fp32 workspace; ``_reduce_splits_kernel``
+merges the partials. Used when there are too few (tile, kv_head) programs to fill the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kernels._triton import check_launchable, is_interpreter, tl, triton
+from kernels.paged_attention_ref import check_attention_args, paged_attention_ref
+
+__all__ = ["paged_attention", "paged_attention_ref"]
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows give exp2(-inf) = 0, not NaN
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= tile."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    num_seqs, num_heads, group, head_dim, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch, stride_bt,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    q_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first query (within seq) of this tile
+    if q_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # query j of the sequence sits at position context_len + j
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_start + offs_m // G_PAD
+    g = offs_m % G_PAD
+    head = kv_head * group + g
+    row_valid = (q_idx < q_len) & (g < group)
+    q_pos = context_len + q_idx
+    token = (q_begin + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < head_dim
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+
+    # Keys this tile can see: 0 .. position of its last query; this split walks a share of them.
+    kv_len = context_len + tl.minimum(q_start + BLOCK_Q, q_len)
+    num_kv_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    block_table = block_tables_ptr + seq * stride_bt
+    for kv_tile in range(tile_lo, tile_hi):
+        offs_n = kv_tile * TILE_N + tl.arange(0, TILE_N)  # key positions
+        n_valid = offs_n < kv_len
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        slots = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = n_valid[None, :] & d_valid[:, None]
+        k = tl.load(k_cache_ptr + slots[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        s = s * scale_log2  # [BLOCK_M, TILE_N]
+        is_visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(is_visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # workspace rows: (token, head, split); acc: [.., HEAD_DIM_PAD], (max, sum): [.., 2]
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, head_dim, stride_ot, stride_oh,
+    HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # One program per (token, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_valid = offs_s < NUM_SPLITS
+    part = (token * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + part * 2, mask=s_valid, other=_NEG_BIG)
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                  mask=s_valid[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    # fp32 inputs: exact fp32 products (no TF32), to meet the 1e-4 tolerance of the reference.
+    # bf16 under the interpreter: Triton 3.9's interpreter computes bf16 tl.dot wrongly, so it
+    # takes the fp32 path there; on CUDA bf16 uses the tensor cores like fp16.
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreter())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _auto_num_splits(device: torch.device, num_programs: int, max_context: int,
+                     max_seqlen_q: int) -> int:
+    """Split the keys only when few programs would leave SMs idle over a long context.
+
+    max_context is the block table's capacity (a host-side upper bound: reading seq_lens would
+    cost a device sync); splits past a sequence's real length exit at once."""
+    sms = _num_sms(device)
+    if device.type != "cuda" or max_seqlen_q > 16 or num_programs >= sms or max_context < 2048:
+        return 1
+    wanted = triton.cdiv(2 * sms, num_programs)
+    return max(1, min(16, triton.next_power_of_2(wanted), max_context // 512))
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    max_seqlen_q: int, scale: float, out: torch.Tensor | None = None, *,
+                    num_splits: int | None = None, tile_n: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`paged_attention_ref` (same contract).
+
+    ``num_splits`` forces the split-KV path (None: chosen from the batch shape); ``tile_n`` sets
+    the keys per inner step (None: 64 on CUDA, 32 in the interpreter). Neither changes results
+    beyond rounding. Values (q_len <= seq_len etc.) are not checked here: that needs a sync.
+    """
+    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                         max_seqlen_q, scale, out)
+    device = query.device
+    check_launchable(device)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = block_tables.shape[0]
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    if max_seqlen_q == 1:
+        block_m = max(16, g_pad)
+    else:
+        rows = max_seqlen_q * g_pad
+        block_m = max(g_pad, 128 if device.type == "cuda" and rows >= 128 else 64 if rows >= 64 else 16)
+    block_q = block_m // g_pad
+    num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see module docstring
+    if tile_n is None:
+        tile_n = 64 if device.type == "cuda" else 32
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
+    if num_splits is None:
+        num_splits = _auto_num_splits(device, min(num_q_tiles, num_tokens) * num_kv_heads,
+                                      block_tables.shape[1] * block_size, max_seqlen_q)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
+                               device=device)
+        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=device)
+    else:
+        part_acc = part_ml = out  # unused
+    num_warps = 8 if block_m >= 128 else 4
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        out, part_acc, part_ml,
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+        num_seqs, num_heads, group, head_dim, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, G_PAD=g_pad, BLOCK_Q=block_q,
+        BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        DOT_FP32=_dot_in_fp32(query.dtype), num_warps=num_warps,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, num_heads, head_dim, out.stride(0), out.stride(1),
+            HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
