@@ -1,0 +1,96 @@
+"""The sampler: processed logits -> one token per row, plus logprobs when asked.
+
+Greedy rows take the argmax. Random rows use the exponential race: with q_i ~ Exp(1)
+independent, argmax_i p_i / q_i is distributed exactly as Categorical(p) (q_i / p_i is
+Exp(p_i), and the smallest of independent exponentials is i with probability p_i / sum p).
+It needs no cumulative sum and no sync, and each seeded row draws its q from its own
+generator, so its token does not depend on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.logprobs import LogprobsTensors, gather_logprobs
+from engine.sampling.metadata import SamplingMetadata
+from engine.sampling.processors import process_logits
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # rows of metadata.num_logprobs; None if no row asked
+
+
+class Sampler:
+    """``generator`` is shared by the unseeded rows (None: torch's default generator)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] from the model (any float dtype; never modified)."""
+        processed = process_logits(_working_copy(logits, metadata), metadata)
+        if metadata.all_greedy:
+            sampled = processed.argmax(dim=-1)
+        else:
+            sampled = sample_from_probs(processed.softmax(dim=-1), metadata, self.generator)
+            if not metadata.all_random:
+                sampled = torch.where(metadata.is_greedy, processed.argmax(dim=-1), sampled)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = _logprobs(logits, processed, sampled, metadata)
+        return SamplerOutput(sampled, logprobs)
+
+    def compute_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        return compute_probs(logits, metadata)
+
+
+def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from: [B, V] fp32, after every processor.
+
+    Greedy rows are one-hot at their argmax, so a rejection sampler treats them exactly: a
+    draft is accepted iff it is the argmax, and the recovered token is the argmax.
+    """
+    processed = process_logits(_working_copy(logits, metadata), metadata)
+    probs = processed.softmax(dim=-1)
+    if not metadata.all_random:
+        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(metadata.is_greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, metadata: SamplingMetadata,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs: [B, V] (rows sum to 1, zeros allowed) -> [B] int64 by the exponential race.
+    Seeded rows draw from ``metadata.generators[row]``, the rest from ``generator``."""
+    q = torch.empty_like(probs, dtype=torch.float32)
+    seeded = [(row, g) for row, g in enumerate(metadata.generators) if g is not None]
+    if len(seeded) < probs.shape[0]:
+        q.exponential_(generator=generator)
+    for row, g in seeded:
+        q[row].exponential_(generator=g)
+    # Exp(1) can return 0; a tiny floor keeps 0/0 (a masked token) from becoming NaN, which
+    # argmax would pick.
+    q.clamp_(min=torch.finfo(torch.float32).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+def _working_copy(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if logits.dtype != torch.float32:
+        return logits.to(torch.float32)
+    return logits.clone() if metadata.modifies_logits else logits
+
+
+def _logprobs(raw_logits: torch.Tensor, processed: torch.Tensor, sampled: torch.Tensor,
+              metadata: SamplingMetadata) -> LogprobsTensors:
+    logprobs = None
+    if metadata.needs_processed_logprobs:
+        logprobs = processed.log_softmax(dim=-1)
+    if metadata.raw_logprobs_rows is not None:
+        raw = raw_logits.to(torch.float32).log_softmax(dim=-1)
+        logprobs = raw if logprobs is None else torch.where(
+            metadata.raw_logprobs_rows.unsqueeze(1), raw, logprobs)
+    return gather_logprobs(logprobs, sampled, metadata.max_num_logprobs)
