@@ -1,0 +1,79 @@
+"""Torch side of the gRPC KV transport: pack blocks into bytes, write byte ranges back.
+
+The transport itself (streams, deadlines, status codes) is in
+``services/common/kv_transfer_grpc.py``; ``engine/`` never imports grpc.
+
+Packed format of ``block_ids = [b0, b1, ...]`` (``block_bytes`` = one block across layers)::
+
+    offset 0              block_bytes            2*block_bytes
+    | raw bytes of kv_cache[b0] | raw bytes of kv_cache[b1] | ...
+
+A stream may split it anywhere (chunks need not align to blocks); ``write_packed_range``
+puts one chunk's bytes where they belong in the destination cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator, Sequence
+
+import torch
+
+
+def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as ``uint8 [num_blocks, block_bytes]`` sharing its storage."""
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
+
+
+def pack_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy ``kv_cache[block_ids]`` to a flat CPU ``uint8`` tensor (a gather, then one copy)."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    return block_bytes_view(kv_cache).index_select(0, index).reshape(-1).cpu()
+
+
+def iter_chunks(packed: torch.Tensor, max_chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(offset, bytes)`` pieces of ``packed`` of at most ``max_chunk_bytes`` each."""
+    if max_chunk_bytes <= 0:
+        raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+    flat = packed.numpy()
+    for offset in range(0, flat.size, max_chunk_bytes):
+        yield offset, flat[offset:offset + max_chunk_bytes].tobytes()
+
+
+def bytes_as_tensor(data: bytes) -> torch.Tensor:
+    """A read-only ``uint8`` view of ``data`` without a copy (only ever read from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def write_packed_range(kv_cache: torch.Tensor, dst_block_ids: Sequence[int], offset: int,
+                       data: bytes) -> None:
+    """Write bytes ``[offset, offset + len(data))`` of a packed payload into ``kv_cache``.
+
+    Whole blocks inside the range go in with one scatter
+    (``cache[dst_ids] = chunk.view(n, block_bytes)``); a partial block at either end is
+    sliced. The caller has checked that the ids are valid and the range is inside
+    ``len(dst_block_ids) * block_bytes``.
+    """
+    if not data:
+        return
+    cache = block_bytes_view(kv_cache)
+    block_bytes = cache.shape[1]
+    src = bytes_as_tensor(data).to(cache.device)
+    end = offset + src.numel()
+    pos = offset
+    while pos < end:
+        index, in_block = divmod(pos, block_bytes)
+        if in_block == 0 and end - pos >= block_bytes:  # a run of whole blocks
+            num_whole = (end - pos) // block_bytes
+            ids = torch.tensor(list(dst_block_ids[index:index + num_whole]), dtype=torch.long,
+                               device=cache.device)
+            cache[ids] = src[pos - offset:pos - offset + num_whole * block_bytes].view(
+                num_whole, block_bytes)
+            pos += num_whole * block_bytes
+        else:  # the head or tail of one block
+            length = min(block_bytes - in_block, end - pos)
+            cache[dst_block_ids[index], in_block:in_block + length] = src[pos - offset:
+                                                                          pos - offset + length]
+            pos += length

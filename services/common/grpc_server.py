@@ -1,0 +1,111 @@
+"""The grpc.aio server skeleton every pdserve service runs.
+
+    server = await start_grpc_server(
+        [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(...))],
+        port=args.grpc_port, service_names=[KV_SERVICE_NAME])
+    print(f"listening on {server.address}")          # port 0 -> the port actually bound
+    await server.serve_until_signal(grace_s=args.drain_grace_s)
+
+Stopping (SIGTERM / SIGINT, or ``await server.stop()``): health turns NOT_SERVING for
+good, so routers stop picking this server; the server refuses new RPCs and lets in-flight
+ones finish for up to ``grace_s`` seconds, then cancels the rest. A second signal during
+the drain cancels at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from services.common.health import HealthReporter
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_GRACE_S = 10.0
+# KV chunks are <= 4 MiB of payload plus a header; leave room.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+AddServicer = tuple[Callable[[Any, grpc.aio.Server], None], Any]
+
+
+@dataclass
+class GrpcServer:
+    """A started grpc.aio server. ``port`` is the bound port, even when 0 was asked for."""
+
+    server: grpc.aio.Server
+    host: str
+    port: int
+    health: HealthReporter
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        """Drain: NOT_SERVING, refuse new RPCs, wait up to ``grace_s`` for running ones."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def serve_until_signal(self, grace_s: float = DEFAULT_GRACE_S,
+                                 signals: Sequence[signal.Signals] = (signal.SIGTERM,
+                                                                     signal.SIGINT)) -> None:
+        """Serve until one of ``signals`` arrives (or the server stops), then drain."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        cancel_tasks: list[asyncio.Task[None]] = []  # keep references until done
+
+        def on_signal() -> None:
+            if stop_requested.is_set():  # second signal: cancel in-flight RPCs now
+                cancel_tasks.append(loop.create_task(self.server.stop(None)))
+            stop_requested.set()
+
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal)
+        terminated = loop.create_task(self.server.wait_for_termination())
+        requested = loop.create_task(stop_requested.wait())
+        try:
+            await asyncio.wait({terminated, requested}, return_when=asyncio.FIRST_COMPLETED)
+            if not terminated.done():
+                await self.stop(grace_s)
+                await terminated
+        finally:
+            requested.cancel()
+            terminated.cancel()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+
+async def start_grpc_server(servicers: Sequence[AddServicer], *, port: int = 0,
+                            host: str = DEFAULT_HOST, service_names: Sequence[str] = (),
+                            is_serving: bool = True,
+                            options: Sequence[tuple[str, Any]] = ()) -> GrpcServer:
+    """Create, bind and start a grpc.aio server with ``grpc.health.v1`` registered.
+
+    ``servicers`` are ``(add_XServicer_to_server, servicer)`` pairs from the generated
+    ``*_pb2_grpc`` modules; ``service_names`` (e.g. ``"pdserve.v1.DecodeService"``) get
+    their own health entries. Pass ``is_serving=False`` if the service must finish loading
+    first, then ``await server.health.set_serving(True)``. Raises OSError if the address
+    cannot be bound.
+    """
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),  # a taken port must fail, not be silently shared
+        *options,
+    ])
+    for add, servicer in servicers:
+        add(servicer, server)
+    health = HealthReporter(service_names)
+    health.add_to_server(server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind gRPC server to {host}:{port} ({exc}); is the port in use?") from exc
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}; is the port in use?")
+    await server.start()
+    await health.set_serving(is_serving)
+    return GrpcServer(server=server, host=host, port=bound, health=health)

@@ -1,0 +1,65 @@
+"""Command-line flags that can also come from ``PDSERVE_*`` environment variables.
+
+Precedence: command line > environment > default. ``--http-port`` reads
+``PDSERVE_HTTP_PORT``; the help text names the variable. Example::
+
+    parser = argparse.ArgumentParser()
+    add_env_argument(parser, "--http-port", type=int, default=8000, help="OpenAI HTTP port")
+    add_env_argument(parser, "--colocated", action="store_true")
+    args = parser.parse_args()
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Mapping
+
+ENV_PREFIX = "PDSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_var_name(flag: str) -> str:
+    """``--http-port`` -> ``PDSERVE_HTTP_PORT``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_env_argument(parser: argparse.ArgumentParser, flag: str, *aliases: str,
+                     environ: Mapping[str, str] | None = None, **kwargs: Any) -> argparse.Action:
+    """``parser.add_argument(flag, *aliases, **kwargs)`` with the default taken from the env.
+
+    Supports plain options (with ``type`` / ``choices``), ``action="store_true"`` / ``"store_false"``
+    (the variable reads 1/true/yes/on = flag given, or 0/false/no/off) and ``nargs`` lists (space-separated).
+    A malformed variable is a usage error that names the variable.
+    """
+    environ = os.environ if environ is None else environ
+    name = env_var_name(flag)
+    kwargs["help"] = f"{kwargs.get('help', '')} [env: {name}]".strip()
+    raw = environ.get(name)
+    if raw is not None:
+        kwargs["default"] = _parse_env(parser, name, raw, kwargs)
+    return parser.add_argument(flag, *aliases, **kwargs)
+
+
+def _parse_env(parser: argparse.ArgumentParser, name: str, raw: str, kwargs: Mapping[str, Any]) -> Any:
+    action = kwargs.get("action")
+    if action in ("store_true", "store_false"):
+        value = raw.strip().lower()
+        if value not in _TRUE | _FALSE:
+            parser.error(f"{name}={raw!r}: expected one of 1/true/yes/on or 0/false/no/off")
+        is_set = value in _TRUE  # as if the flag were given
+        return is_set if action == "store_true" else not is_set
+    if action not in (None, "store"):
+        raise ValueError(f"add_env_argument does not support action={action!r}")
+    convert = kwargs.get("type", str)
+    items = raw.split() if kwargs.get("nargs") not in (None, "?") else [raw]
+    try:
+        values = [convert(item) for item in items]
+    except (TypeError, ValueError) as exc:
+        parser.error(f"{name}={raw!r}: {exc}")
+    choices = kwargs.get("choices")
+    bad = [v for v in values if choices is not None and v not in choices]
+    if bad:
+        parser.error(f"{name}={raw!r}: {bad[0]!r} is not one of {list(choices)}")
+    return values if kwargs.get("nargs") not in (None, "?") else values[0]
