@@ -1,0 +1,216 @@
+"""The block pool: ref counts, the LRU free queue and the prefix-cache hash map.
+
+Invariants (``check_integrity`` verifies them and raises with the numbers):
+
+- a block is in the free queue exactly when its ``ref_cnt`` is 0, so free + in use == total;
+- a free block may still carry a hash: it is *cached* and reusable by a prefix hit (``touch``)
+  until allocation pops it from the head of the queue, which evicts it (``BlockRemoved``);
+- the hash map holds each hash once, and its block carries that hash (the first block cached
+  under a hash keeps it; a later block with the same content stays unhashed);
+- a cached block's contents are immutable: writers copy it first (see ``KVCacheManager``).
+
+The queue's head is the eviction end. Freed blocks join the tail in the order given, so callers
+free a sequence's blocks in reverse (its tail is evicted before its shared prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.kv_cache.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One block of the paged cache; ``prev_free``/``next_free`` link it into the free queue."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = f", hash={self.block_hash.hex()[:8]}" if self.block_hash is not None else ""
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+class _FreeBlockQueue:
+    """Doubly linked list of free blocks between two sentinels; every operation is O(1)."""
+
+    def __init__(self, blocks: Sequence[KVBlock]) -> None:
+        self._head, self._tail = KVBlock(-1), KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        block.prev_free, block.next_free = last, self._tail
+        last.next_free = self._tail.prev_free = block
+        self.num_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_blocks -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """``num_blocks`` blocks with ids 0..num_blocks-1. Exceptions here mean a caller bug;
+    running out is the caller's check (``num_free_blocks``) before ``get_new_blocks``.
+
+    With ``enable_caching=False`` no block is ever hashed, so nothing is reused and no events
+    are queued. With ``enable_events=False`` the cache works but nothing is queued (for
+    processes that have nobody to drain events, e.g. the offline ``LLM``).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events and enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free = _FreeBlockQueue(self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0, cached ones included (they are evictable)."""
+        return self._free.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1]."""
+        return 1.0 - self._free.num_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue from its eviction end (head) to its tail, for tests and debugging. O(n)."""
+        return [b.block_id for b in self._free]
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Pop ``num_blocks`` from the LRU head with ref_cnt 1, evicting any hash they carry."""
+        if num_blocks > self._free.num_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, only {self._free.num_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self._free.popleft()
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                self._queue_event(BlockRemoved([block.block_hash]))
+                block.block_hash = None
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block; a free (cached) block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in order; blocks reaching 0 join the queue's tail."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"freeing {block} which has no references (double free)")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free.append(block)
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
+                         token_ids: Sequence[int]) -> bool:
+        """Register a full, in-use block under ``block_hash``. Returns whether it was stored.
+
+        Not stored (False): caching disabled, the block already carries this hash, or another
+        block already holds the hash (the first one keeps it). ``parent_hash`` is None for a
+        sequence's first block. ``block_size`` of the event is ``len(token_ids)``.
+        """
+        if not self.enable_caching:
+            return False
+        if block.ref_cnt <= 0:
+            raise RuntimeError(f"caching {block} which no request holds")
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"{block} is already cached under a different hash")
+            return False
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self._queue_event(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids)))
+        return True
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block holding ``block_hash`` (in use or free), or None. Does not take a reference."""
+        return self._cached.get(block_hash)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the queued events, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash. Blocks keep their contents and owners; nothing cached is reused."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError, with the numbers, if an invariant of this module is broken."""
+        free = list(self._free)
+        free_ids = {b.block_id for b in free}
+        zero_ref_ids = {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        num_in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        negative = [b for b in self.blocks if b.ref_cnt < 0]
+        if (len(free) != self._free.num_blocks or len(free_ids) != len(free)
+                or free_ids != zero_ref_ids or negative or len(free) + num_in_use != self.num_blocks):
+            raise RuntimeError(
+                f"block pool inconsistent: free queue walks {len(free)} blocks ({len(free_ids)} distinct), "
+                f"counter says {self._free.num_blocks}, {len(zero_ref_ids)} blocks have ref_cnt 0, "
+                f"{num_in_use} in use, {len(negative)} negative, total {self.num_blocks}; "
+                f"in queue but referenced: {sorted(free_ids - zero_ref_ids)}, "
+                f"unreferenced but not in queue: {sorted(zero_ref_ids - free_ids)}")
+        hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
+        mapped = {b.block_id for h, b in self._cached.items() if b.block_hash == h}
+        if hashed != mapped or len(mapped) != len(self._cached):
+            raise RuntimeError(
+                f"prefix cache inconsistent: {len(self._cached)} hash-map entries, {len(mapped)} point to "
+                f"a block carrying that hash, {len(hashed)} blocks carry a hash; "
+                f"hashed but unmapped: {sorted(hashed - mapped)}")
+
+    def _queue_event(self, event: KVCacheEvent) -> None:
+        # Coalesce runs: a chain of stored blocks (or a burst of evictions) becomes one event.
+        if not self.enable_events:
+            return
+        last = self._events[-1] if self._events else None
+        if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved):
+            self._events[-1] = BlockRemoved(last.block_hashes + event.block_hashes)
+        elif (isinstance(event, BlockStored) and isinstance(last, BlockStored)
+              and event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size):
+            self._events[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes,
+                                       token_ids=last.token_ids + event.token_ids)
+        else:
+            self._events.append(event)
