@@ -1,0 +1,145 @@
+"""A GGUF file (llama.cpp's format) as a ModelConfig, HF-named fp32 weights and a Tokenizer.
+
+Weights come out exactly as HF transformers' own GGUF loader produces them: HF names, HF layout
+(``[out_features, in_features]``), and Q/K rows in HF's rotate-half order (see
+``unpermute_rope_rows``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from engine.config import ModelConfig, RopeScaling
+from engine.models.gguf_file import GGUFFile, read_gguf
+from engine.models.tokenizer import Tokenizer
+
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+
+# GGUF general.architecture -> HF architecture. Mistral files are written as 'llama'.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_PERMUTED_QK = {"llama"}  # llama.cpp reorders Q/K rows for these; qwen2 is written as is
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read ``path`` once and return its config, fp32 weights in HF naming, and tokenizer."""
+    gguf_file = read_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
+    tensor_names = [tensor.name for tensor in gguf_file.tensors]
+    config = gguf_model_config(gguf_file.metadata, tensor_names, tokenizer,
+                               name=Path(path).name.removesuffix(".gguf"))
+    return config, gguf_weights(gguf_file, config), tokenizer
+
+
+def gguf_model_config(metadata: dict[str, Any], tensor_names: list[str], tokenizer: Tokenizer,
+                      name: str = "model") -> ModelConfig:
+    """A ModelConfig from the ``{arch}.*`` metadata keys; eos ids come from the tokenizer."""
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("this GGUF bakes Llama 3.1-style RoPE scaling into a rope_freqs tensor, which is not "
+                         "supported; load the model from its HF directory instead")
+
+    def key(suffix: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{suffix}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata has no {arch}.{suffix}")
+        return value
+
+    hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=key("vocab_size", len(metadata["tokenizer.ggml.tokens"])),
+        hidden_size=hidden_size,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=key("attention.head_count_kv", num_heads),
+        head_dim=key("attention.key_length", hidden_size // num_heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(metadata, arch),
+        max_model_len=key("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tokenizer.eos_token_ids,
+        name=name,
+    )
+
+
+def gguf_weights(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of ``gguf_file`` dequantized to fp32, renamed and laid out as HF's state_dict."""
+    arch = gguf_file.metadata["general.architecture"]
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in gguf_file.tensors:
+        name = hf_weight_name(tensor.name)
+        try:
+            values = dequantize(tensor.data, tensor.ggml_type)
+        except NotImplementedError as error:
+            raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}, which cannot be "
+                             f"dequantized: {error}") from error
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
+        if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = unpermute_rope_rows(values, config.num_heads)
+        elif arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = unpermute_rope_rows(values, config.num_kv_heads)
+        if not values.flags.writeable:  # F32 tensors are views of the read-only file map: own the memory
+            values = values.copy()
+        weights[name] = torch.from_numpy(values)
+    return weights
+
+
+def hf_weight_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+
+
+def unpermute_rope_rows(weight: ArrayT, num_heads: int) -> ArrayT:
+    """Undo llama.cpp's Q/K row order, giving HF's (numpy array or torch tensor in, same out).
+
+    weight: [num_heads * head_dim, ...]. Within each head HF puts the two halves of every rotary
+    pair half a head apart (rotate_half: row j pairs with row j + head_dim/2); llama.cpp's
+    converter interleaves them for its adjacent-pair RoPE::
+
+        gguf row 2j   = HF row j
+        gguf row 2j+1 = HF row j + head_dim/2
+
+    The result is a new contiguous array (reshaping the swapped view copies).
+    """
+    head_dim = weight.shape[0] // num_heads
+    rest = tuple(weight.shape[1:])
+    return weight.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(tuple(weight.shape))
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling:
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(metadata[f"{arch}.rope.scaling.factor"]))
+    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (only 'none' and 'linear')")
