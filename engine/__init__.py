@@ -1,0 +1,14 @@
+"""pdserve's inference core. ``from engine import LLM, SamplingParams``."""
+
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; keep `import engine` light for the router.
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams"]

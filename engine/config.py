@@ -82,6 +82,7 @@ class CacheConfig:
     memory_budget_bytes: int = 512 * 1024 * 1024
     dtype: str = "float32"
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for a publisher to drain
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -1,0 +1,109 @@
+"""EngineCore: add / abort requests and advance them one step at a time. No I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.manager import KVCacheManager
+from engine.models.loader import LoadedModel
+from engine.request import Request, RequestStatus
+from engine.runner.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import RequestOutput
+from engine.scheduler.scheduler import Scheduler
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(config, loaded)
+        self.block_pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching,
+                                    enable_events=config.cache.enable_kv_events)
+        self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
+        self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
+        self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
+                                   config.cache.block_size, config.cache.enable_prefix_caching)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[str]:
+        """Validate and queue a request. Raises ValueError naming what is wrong.
+
+        Returns the ids of its samples: ``[request_id]``, or ``"<request_id>/<i>"`` for
+        i < n when n > 1 (sample i is seeded with seed + i; samples 1.. share sample 0's
+        prompt blocks)."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {bad[:8]}")
+        params.validate(vocab_size, self.model_config.max_model_len, len(prompt_token_ids))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.with_bad_words_tokenized(self.tokenizer.encode)
+        if request_id in self._samples:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        sample_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        requests = []
+        for index, sample_id in enumerate(sample_ids):
+            sample_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index)
+            generator = None
+            if sample_params.seed is not None:
+                generator = torch.Generator(device=self.runner.device)
+            requests.append(Request(
+                sample_id, prompt_token_ids, sample_params, self.model_config.eos_token_ids,
+                generator, parent_id=request_id if params.n > 1 else None, index=index))
+        self.scheduler.add_request(requests[0])
+        for request in requests[1:]:
+            self.scheduler.add_request(request, fork_from=requests[0].request_id)
+        self._samples[request_id] = sample_ids
+        return sample_ids
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request (all its samples). Unknown or finished ids are ignored."""
+        outputs = [self.scheduler.abort_request(i) for i in self._samples.pop(request_id, [])]
+        return [o for o in outputs if o is not None]
+
+    def finish_request(self, sample_id: str) -> RequestOutput | None:
+        """Stop a sample that its caller decided is done (a stop string matched)."""
+        output = self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_STOPPED)
+        if output is not None:
+            self._forget_sample(output)
+        return output
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule -> execute -> update. Returns each touched request's new tokens."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
+        result = self.runner.execute(sched, block_ids)
+        outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        for output in outputs:
+            if output.finished:
+                self._forget_sample(output)
+        return outputs
+
+    def _forget_sample(self, output: RequestOutput) -> None:
+        request_id = output.parent_id or output.request_id
+        sample_ids = self._samples.get(request_id)
+        if sample_ids is not None and output.request_id in sample_ids:
+            sample_ids.remove(output.request_id)
+            if not sample_ids:
+                del self._samples[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def take_kv_events(self) -> list:
+        """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""
+        return self.kv_manager.take_events()
+
+    def check_integrity(self) -> None:
+        self.block_pool.check_integrity()

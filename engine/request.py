@@ -1,0 +1,108 @@
+"""A request inside the engine and its token accounting.
+
+Every request carries ``num_tokens`` (prompt + output so far) and ``num_computed_tokens``
+(tokens whose KV exists in the cache). Each step the scheduler lets computed catch up to
+tokens: a whole prompt, a prefill chunk, one decode token, a prefix-cache hit, draft tokens,
+or KV that arrived from a prefill worker are all the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kv_cache.hashing import BlockHash
+    from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """Engine-side state of one sequence. Parallel samples (n > 1) are separate Requests."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
+        "num_computed_tokens", "num_cached_tokens", "status", "arrival_time", "generator",
+        "block_hashes", "spec_token_ids", "stop_reason", "eos_token_ids", "priority",
+        "num_preemptions", "parent_id", "error", "index", "prompt_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        generator: torch.Generator | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.generator = generator
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.parent_id = parent_id  # the caller's id when this is one of n > 1 samples
+        self.index = index  # which of the n samples
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission (for usage stats)
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[BlockHash] = []
+        self.spec_token_ids: list[int] = []
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.error: str | None = None
+        self.prompt_logprobs: list | None = None  # accumulated over prefill chunks
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,114 @@
+"""Runs one scheduled step on the model: build inputs, forward, logits, sample.
+
+Owns the device-side state: the model, the KV cache tensor and the sampler. It does not
+decide anything; the scheduler did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache.storage import allocate_kv_cache
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import LoadedModel
+from engine.request import Request
+from engine.runner.inputs import ScheduledSeq, build_model_input
+from engine.sampling.logprobs import compute_prompt_logprobs
+from engine.sampling.metadata import SamplingMetadata
+from engine.sampling.sampler import Sampler
+from engine.scheduler.output import SchedulerOutput
+from kernels.block_copy import copy_blocks
+from kernels.ops import get_ops, select_backend
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list] = field(default_factory=dict)  # request id -> [PositionLogprobs]
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # this step's chunk only
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.backend = select_backend(self.device)
+        dtype = getattr(torch, config.dtype)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, get_ops(self.backend),
+                                      self.device, dtype)
+        self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)
+        self.block_size = config.cache.block_size
+        self.vocab_size = loaded.config.vocab_size
+        self.eos_token_ids = loaded.config.eos_token_ids
+        self.sampler = Sampler()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[0]
+
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+        """Forward the scheduled tokens; sample for every request that reached its last token
+        (and for the parallel samples forked from it this step)."""
+        if sched.copy_ops:
+            src, dst = zip(*sched.copy_ops)
+            copy_blocks(self.kv_cache, torch.tensor(src), torch.tensor(dst))
+        seqs: list[ScheduledSeq] = []
+        sample_rows: list[tuple[Request, int]] = []  # (request to sample for, logits row)
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first row, count, start)
+        num_rows = 0
+        for request in sched.scheduled:
+            num_new = sched.num_scheduled_tokens[request.request_id]
+            start = request.num_computed_tokens
+            token_ids = (request.all_token_ids + request.spec_token_ids)[start:start + num_new]
+            reaches_end = start + num_new >= request.num_tokens
+            wants_prompt = (request.sampling_params.prompt_logprobs is not None
+                            and start < request.num_prompt_tokens)
+            num_logits = num_new if wants_prompt else int(reaches_end)
+            seqs.append(ScheduledSeq(token_ids, start, block_ids[request.request_id], num_logits))
+            if wants_prompt:  # row for position p predicts prompt token p + 1
+                count = min(start + num_new, request.num_prompt_tokens - 1) - start
+                prompt_rows.append((request, num_rows, count, start))
+            if reaches_end:
+                last_row = num_rows + num_logits - 1
+                sample_rows += [(r, last_row) for r in
+                                [request, *sched.fork_children.get(request.request_id, ())]]
+            num_rows += num_logits
+
+        model_input = build_model_input(seqs, self.block_size, self.device)
+        hidden = self.model.forward(model_input.input_ids, model_input.positions,
+                                    model_input.attn, self.kv_cache)
+        out = RunnerOutput()
+        if num_rows == 0:
+            return out
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        for request, first, count, start in prompt_rows:
+            next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
+            out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                logits[first:first + count], next_ids, request.sampling_params.prompt_logprobs,
+                include_first=start == 0)
+        if sample_rows:
+            self._sample(logits, sample_rows, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, int]],
+                out: RunnerOutput) -> None:
+        requests = [r for r, _ in rows]
+        metadata = SamplingMetadata.from_requests(
+            [r.sampling_params for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.generator for r in requests],
+            self.vocab_size, self.device,
+            eos_token_ids=self.eos_token_ids,
+            request_ids=[r.request_id for r in requests])
+        sampler_out = self.sampler(logits[[row for _, row in rows]], metadata)
+        token_ids = sampler_out.sampled_token_ids.tolist()
+        logprobs = (sampler_out.logprobs.tolists(metadata.num_logprobs)
+                    if sampler_out.logprobs is not None else [None] * len(rows))
+        for request, token_id, entry in zip(requests, token_ids, logprobs):
+            out.sampled[request.request_id] = [token_id]
+            if entry is not None:
+                out.logprobs[request.request_id] = [entry]

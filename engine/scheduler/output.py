@@ -1,0 +1,48 @@
+"""What the scheduler hands to the runner, and what comes back to the engine's caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. ``num_scheduled_tokens[request_id]`` counts draft tokens too."""
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    copy_ops: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies first
+    preempted_ids: list[str] = field(default_factory=list)
+    # Parallel samples (n > 1) forked from a request whose prompt completes this step: the
+    # runner samples their first tokens from that request's last logits row.
+    fork_children: dict[str, list[Request]] = field(default_factory=dict)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A diff for one request after a step: only its new tokens."""
+
+    request_id: str  # the sample's id ("<id>/<index>" when n > 1)
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    new_logprobs: list | None = None  # per new token, see engine.sampling.logprobs
+    prompt_logprobs: list | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    parent_id: str | None = None  # the caller's request id when n > 1
+    index: int = 0

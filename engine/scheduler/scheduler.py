@@ -1,0 +1,307 @@
+"""One token-accounting scheduler (vLLM v1 style), for every role.
+
+Each step, running requests go first (decode tokens, draft tokens, or the next prefill
+chunk), then waiting requests fill what is left of the token budget. There is no prefill or
+decode phase: a request is scheduled ``num_tokens_with_spec - num_computed_tokens`` tokens,
+capped by the budget. When the KV pool runs out, the newest running request is preempted
+by recompute: its blocks are freed and it goes back to the front of the waiting queue with
+all its tokens, to be recomputed later (its request-local RNG state is kept, so a seeded
+request gives the same tokens).
+
+The role changes only admission and stopping: PREFILL stops after the first token and keeps
+its blocks until the caller releases them (they are being sent); DECODE admits requests
+whose KV arrives from elsewhere (WAITING_FOR_REMOTE_KV) once it has landed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.config import ModelConfig, Role, SchedulerConfig
+from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler.output import RequestOutput, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, model_config: ModelConfig,
+                 kv_manager: KVCacheManager, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.config = config
+        self.max_model_len = model_config.max_model_len
+        self.kv_manager = kv_manager
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # PREFILL: finished, blocks kept until released
+        # n > 1: samples 1..n-1 wait here until sample 0's prompt is computed, then share its
+        # blocks (fork, copy-on-write) instead of recomputing the prompt.
+        self.fork_pending: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------
+
+    def add_request(self, request: Request, fork_from: str | None = None) -> None:
+        """Queue ``request``; with ``fork_from``, it is a parallel sample of that (queued)
+        request and starts from its prompt's blocks."""
+        if request.request_id in self.requests or request.request_id in self.held:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        max_len = min(request.num_prompt_tokens + (request.sampling_params.max_tokens or 0),
+                      self.max_model_len)
+        if not self.kv_manager.can_fit(max(max_len, request.num_tokens)):
+            raise ValueError(
+                f"request {request.request_id!r} needs KV for {max_len} tokens, more than the whole "
+                f"cache holds ({self.kv_manager.num_total_blocks} blocks of {self.block_size}); "
+                f"lower max_tokens or the prompt length, or give the cache more memory")
+        self._update_block_hashes(request)
+        self.requests[request.request_id] = request
+        if fork_from is not None:
+            self.fork_pending.setdefault(fork_from, []).append(request)
+        else:
+            self.waiting.append(request)
+
+    def finish_remote_kv(self, request_id: str) -> None:
+        """DECODE: the prompt's KV has landed in the blocks reserved for this request."""
+        request = self.requests[request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.WAITING
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id in self.held:
+            self.release_held(request_id)
+            return None
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def release_held(self, request_id: str) -> None:
+        """PREFILL: the blocks of a finished request have been sent; free (or cache) them."""
+        request = self.held.pop(request_id)
+        self.kv_manager.free(request.request_id)
+
+    # ---- schedule --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv_manager.allocate_slots(
+                    request.request_id, request.num_computed_tokens + num_new,
+                    num_computed_tokens=request.num_computed_tokens) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(request)
+                out.num_scheduled_tokens[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+
+        for request in list(self.waiting):
+            if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
+                break
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            computed_blocks, num_computed = [], request.num_computed_tokens
+            if num_computed == 0 and self.enable_prefix_caching:
+                computed_blocks, num_computed = self.kv_manager.get_computed_blocks(
+                    request.block_hashes, request.num_tokens)
+            num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
+            if self.kv_manager.allocate_slots(request.request_id, num_computed + num_new,
+                                              computed_blocks, num_computed) is None:
+                break
+            self.waiting.remove(request)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        for request in out.scheduled:
+            children = self.fork_pending.get(request.request_id)
+            if children and (request.num_computed_tokens
+                             + out.num_scheduled_tokens[request.request_id] >= request.num_tokens):
+                out.fork_children[request.request_id] = children
+        out.copy_ops = self.kv_manager.take_copy_ops()
+        return out
+
+    def _chunk_cap(self) -> int:
+        return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens_with_spec - request.num_computed_tokens
+        num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+        if num_new < request.num_tokens - request.num_computed_tokens:  # still prefilling
+            num_new = min(num_new, self._chunk_cap())
+        return max(num_new, 0)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+        if request in out.scheduled:
+            out.scheduled.remove(request)
+            del out.num_scheduled_tokens[request.request_id]
+
+    # ---- update ----------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+               logprobs: dict[str, list] | None = None,
+               prompt_logprobs: dict[str, list] | None = None) -> list[RequestOutput]:
+        """Advance token accounting after a step. ``sampled[request_id]`` holds the tokens
+        accepted this step (one, or accepted drafts + recovered/bonus); requests still
+        prefilling have none."""
+        outputs = []
+        logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
+        for request in self._with_forks(out):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            num_scheduled = out.num_scheduled_tokens[request.request_id]
+            num_drafts = len(request.spec_token_ids)
+            new_token_ids = sampled.get(request.request_id, [])
+            if num_drafts:
+                # Drafts that were rejected have no valid KV: roll the table back.
+                num_rejected = num_drafts + 1 - len(new_token_ids)
+                request.num_computed_tokens += num_scheduled - num_rejected
+                request.spec_token_ids = []
+                self.kv_manager.truncate(request.request_id, request.num_computed_tokens)
+            else:
+                request.num_computed_tokens += num_scheduled
+            if request.num_output_tokens == 0 and request.request_id in prompt_logprobs:
+                request.prompt_logprobs = ((request.prompt_logprobs or [])
+                                           + prompt_logprobs[request.request_id])
+            new_token_ids = self._append_until_stop(request, new_token_ids)
+            if self.enable_prefix_caching:
+                self._update_block_hashes(request)
+                self.kv_manager.cache_blocks(request.request_id, request.block_hashes,
+                                             request.num_computed_tokens, request.all_token_ids)
+            if not new_token_ids and not request.is_finished:
+                continue
+            output = self._output(request, new_token_ids)
+            output.new_logprobs = logprobs.get(request.request_id)
+            if request.num_output_tokens == len(new_token_ids):  # first tokens of this request
+                output.prompt_logprobs = request.prompt_logprobs
+            if request.is_finished:
+                self._finish(request, request.status, output)
+            outputs.append(output)
+        return outputs
+
+    def _with_forks(self, out: SchedulerOutput):
+        """The step's requests, each followed by the samples forked from it this step."""
+        for request in out.scheduled:
+            yield request
+            children = out.fork_children.get(request.request_id)
+            if not children or request.num_computed_tokens < request.num_prompt_tokens:
+                continue
+            del self.fork_pending[request.request_id]
+            for child in children:
+                self.kv_manager.fork(request.request_id, child.request_id)
+                child.status = RequestStatus.RUNNING
+                child.num_computed_tokens = request.num_prompt_tokens
+                child.num_cached_tokens = request.num_cached_tokens
+                child.prompt_logprobs = request.prompt_logprobs
+                out.num_scheduled_tokens[child.request_id] = 0
+                self.running.append(child)
+                yield child
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(request.request_id, new_token_ids,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens,
+                             parent_id=request.parent_id, index=request.index)
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        appended = []
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            appended.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                request.status = status
+                break
+        return appended
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if self.config.role == Role.PREFILL:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
+        """Stop a request from outside the step (a stop string matched, a transfer failed)."""
+        request = self.requests.get(request_id)
+        return None if request is None else self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus,
+                output: RequestOutput | None = None) -> RequestOutput:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            self._drop_pending_fork(request)
+        del self.requests[request.request_id]
+        if self.config.role == Role.PREFILL and status == RequestStatus.FINISHED_STOPPED:
+            self.held[request.request_id] = request
+        else:
+            self.kv_manager.free(request.request_id)
+        output = output or self._output(request, [])
+        output.finished = True
+        output.finish_reason = status.value
+        output.stop_reason = request.stop_reason
+        output.error = request.error
+        return output
+
+    def _drop_pending_fork(self, request: Request) -> None:
+        for parent_id, children in list(self.fork_pending.items()):
+            if request in children:
+                children.remove(request)
+                if not children:
+                    del self.fork_pending[parent_id]
+                return
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend the request's chained block hashes to cover its full blocks."""
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)

@@ -1,0 +1,150 @@
+"""Offline engine benchmark, side by side with HF transformers in the same run.
+
+    python -m loadtests.bench_engine [--model PATH] [--decode-tokens 32] [--skip-hf]
+    pdserve bench engine ...
+
+Reports: model load time; prefill tokens/s; decode tokens/s at batch 1 and batch 16 (both
+for pdserve and for HF ``generate`` on the same weights and prompts), printed as ratios;
+the memory-bandwidth bound (weight bytes per decode step / measured memcpy bandwidth) and
+the fraction of it reached at batch 1; offline throughput at 1, 8 and 32 concurrent requests.
+Decode rates are (time for N+1 new tokens - time for 1 new token) / N, so prefill is excluded
+on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.loader import load_model
+
+
+def _best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def memcpy_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes moved (read + write) per second by a large tensor copy."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats)
+
+
+def prompts_of_length(tokenizer, length: int, count: int) -> list[list[int]]:
+    base = tokenizer.encode("The history of computing is a story of ideas, machines and people. " * 200)
+    return [base[i * 7: i * 7 + length] for i in range(count)]
+
+
+def pdserve_decode_rate(llm: LLM, prompts: list[list[int]], num_tokens: int, repeats: int) -> float:
+    """Output tokens/s of decode steps (prefill excluded) for the batch ``prompts``."""
+    def run(n):
+        return lambda: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    t_full = _best_of(run(num_tokens + 1), repeats)
+    t_first = _best_of(run(1), repeats)
+    return len(prompts) * num_tokens / (t_full - t_first)
+
+
+def hf_decode_rate(hf, prompts: list[list[int]], num_tokens: int, repeats: int) -> float:
+    input_ids = torch.tensor(prompts)
+    mask = torch.ones_like(input_ids)
+
+    def run(n):
+        def go():
+            with torch.inference_mode():
+                hf.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)
+        return go
+    t_full = _best_of(run(num_tokens + 1), repeats)
+    t_first = _best_of(run(1), repeats)
+    return len(prompts) * num_tokens / (t_full - t_first)
+
+
+def throughput(llm: LLM, tokenizer, concurrency: int, max_tokens: int) -> float:
+    prompts = prompts_of_length(tokenizer, 64, concurrency)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t = _best_of(lambda: llm.generate(prompts, params), 1)
+    return concurrency * max_tokens / t
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded)")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}")
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    load_s = time.perf_counter() - t0
+    print(f"model load: {load_s:.2f} s  ({loaded.config.name})")
+    llm = LLM(loaded, max_num_batched_tokens=2048)
+    tok = loaded.tokenizer
+
+    long_prompt = prompts_of_length(tok, 1024, 1)
+    llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=1))  # warm up
+    t = _best_of(lambda: llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=1)), args.repeats)
+    prefill_tps = 1024 / t
+
+    batch1 = prompts_of_length(tok, args.prompt_len, 1)
+    batch16 = prompts_of_length(tok, args.prompt_len, 16)
+    ours_b1 = pdserve_decode_rate(llm, batch1, args.decode_tokens, args.repeats)
+    ours_b16 = pdserve_decode_rate(llm, batch16, args.decode_tokens, args.repeats)
+
+    weight_bytes = llm.engine.runner.model.weight_bytes
+    bandwidth = memcpy_bandwidth()
+    bound_tps = bandwidth / weight_bytes
+    rows = [("prefill tokens/s (1 x 1024)", prefill_tps, None),
+            ("decode tokens/s batch 1", ours_b1, None),
+            ("decode tokens/s batch 16", ours_b16, None)]
+
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+        path = args.model or __import__("engine.models.default_model", fromlist=["x"]).default_model_path()
+        directory, name = os.path.split(path)
+        hf_kwargs = {"gguf_file": name} if name.endswith(".gguf") else {}
+        hf = AutoModelForCausalLM.from_pretrained(directory if hf_kwargs else path,
+                                                  dtype=torch.float32, **hf_kwargs).eval()
+        with torch.inference_mode():
+            hf(torch.tensor(long_prompt))
+            t = _best_of(lambda: hf(torch.tensor(long_prompt)), args.repeats)
+        rows[0] = (rows[0][0], prefill_tps, 1024 / t)
+        rows[1] = (rows[1][0], ours_b1, hf_decode_rate(hf, batch1, args.decode_tokens, args.repeats))
+        rows[2] = (rows[2][0], ours_b16, hf_decode_rate(hf, batch16, args.decode_tokens, args.repeats))
+
+    print(f"\n{'metric':34s} {'pdserve':>10s} {'HF':>10s} {'ratio':>7s}")
+    for name, ours, theirs in rows:
+        ratio = f"{ours / theirs:6.2f}x" if theirs else "   n/a"
+        theirs_s = f"{theirs:10.1f}" if theirs else "       n/a"
+        print(f"{name:34s} {ours:10.1f} {theirs_s} {ratio}")
+    print(f"\nbatch-16 / batch-1 decode throughput: {ours_b16 / ours_b1:.2f}x")
+    print(f"weights read per decode step: {weight_bytes / 1e6:.1f} MB; "
+          f"memcpy bandwidth (read+write): {bandwidth / 1e9:.2f} GB/s")
+    print(f"bandwidth bound at batch 1: {bound_tps:.1f} tokens/s; "
+          f"reached {ours_b1 / bound_tps:.0%} of it")
+
+    if not args.skip_throughput:
+        base = None
+        print("\noffline throughput (64-token prompts, 64 new tokens each)")
+        for concurrency in (1, 8, 32):
+            tps = throughput(llm, tok, concurrency, 64)
+            base = base or tps
+            print(f"  {concurrency:3d} concurrent: {tps:8.1f} output tokens/s  ({tps / base:5.2f}x of 1)")
+
+
+if __name__ == "__main__":
+    main()
