@@ -115,13 +115,15 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, dec
     is_pad = (torch.arange(num_blocks * block_size, device=device)[None, :]
               >= seq_lens.index_select(0, ids)[:, None].long()).unsqueeze(1)
     q = query.index_select(0, rows).float().view(batch, num_kv_heads, group, -1)
+    # whole blocks (all KV heads) are contiguous, so index_select copies them at memcpy speed;
+    # each head is then a strided [B, L, head_dim] view that bmm reads in place
+    length = num_blocks * block_size
+    k = key_cache.index_select(0, blocks.flatten()).float().view(batch, length, num_kv_heads, -1)
+    v = value_cache.index_select(0, blocks.flatten()).float().view(batch, length, num_kv_heads, -1)
     res = torch.empty_like(q)
     for h in range(num_kv_heads):
-        # [B, nblk, block_size, head_dim] contiguous copy -> [B, L, head_dim]
-        k = key_cache[:, :, h][blocks].float().view(batch, num_blocks * block_size, -1)
-        v = value_cache[:, :, h][blocks].float().view(batch, num_blocks * block_size, -1)
-        scores = torch.bmm(q[:, h], k.transpose(1, 2)).mul_(scale).masked_fill_(is_pad, float("-inf"))
-        torch.bmm(torch.softmax(scores, dim=-1), v, out=res[:, h])
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).mul_(scale).masked_fill_(is_pad, float("-inf"))
+        res[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])
     out.index_copy_(0, rows, res.view(batch, -1, res.shape[-1]).to(out.dtype))
 
 
@@ -130,8 +132,8 @@ def _extend(query, key_cache, value_cache, block_table, seq_len, start, end, sca
     block_size = key_cache.shape[1]
     q_len = end - start
     blocks = block_table[: -(-seq_len // block_size)].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, num_kv_heads, head_dim]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+    k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].float()  # [S, num_kv_heads, head_dim]
+    v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].float()
     q = query[start:end].float()
     if q_len == seq_len:
         mask, causal = None, True

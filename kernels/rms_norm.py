@@ -70,12 +70,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_rows, hidden_size = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     residual_out = torch.empty_like(out) if residual is not None else out
+    block_h = triton.next_power_of_2(hidden_size)
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
             x, residual if residual is not None else x, weight, out, residual_out,
             hidden_size, eps,
             x.stride(0), (residual if residual is not None else x).stride(0),
             out.stride(0), residual_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK_H=triton.next_power_of_2(hidden_size),
+            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
+            num_warps=4 if block_h <= 2048 else 8 if block_h <= 8192 else 16,
         )
     return (out, residual_out) if residual is not None else out

@@ -1,0 +1,142 @@
+"""Kernel micro-benchmarks: each Triton kernel against its torch baseline, in the same run.
+
+    python -m kernels.bench            (CUDA only; on CPU it says so and exits 0)
+
+Attention is compared with ``torch.nn.functional.scaled_dot_product_attention`` on the same data
+gathered into contiguous tensors (the baseline gets its copy for free). Decode is reported as
+achieved HBM GB/s (bytes of K/V read), prefill as TFLOP/s, each also as a fraction of the device's
+peak when the device is in ``PEAKS``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# name fragment -> (HBM bytes/s, dense bf16 tensor FLOP/s); first match wins, so specific first
+PEAKS: list[tuple[str, float, float]] = [
+    ("H200", 4.8e12, 989e12),
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12),  # SXM5 / HBM3
+]
+
+
+def _peak(device_name: str) -> tuple[float | None, float | None]:
+    for fragment, bandwidth, flops in PEAKS:
+        if fragment in device_name:
+            return bandwidth, flops
+    return None, None
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def _paged_case(num_seqs: int, seq_len: int, q_len: int, num_heads: int, num_kv_heads: int,
+                head_dim: int, block_size: int, dtype: torch.dtype):
+    """A batch in the engine's 6-d cache layout, with block ids shuffled across sequences."""
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    kv_cache = torch.randn(num_blocks, 1, 2, block_size, num_kv_heads, head_dim, device="cuda",
+                           dtype=dtype)
+    block_tables = torch.randperm(num_blocks, device="cuda").view(num_seqs, blocks_per_seq).int()
+    query = torch.randn(num_seqs * q_len, num_heads, head_dim, device="cuda", dtype=dtype)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    args = (query, kv_cache[:, 0, 0], kv_cache[:, 0, 1], block_tables, seq_lens, cu, q_len,
+            head_dim ** -0.5)
+
+    def dense(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, num_kv_heads, seq_len, head_dim]
+        gathered = cache[block_tables.long()].flatten(1, 2)[:, :seq_len]
+        return gathered.transpose(1, 2).contiguous()
+
+    q_dense = query.view(num_seqs, q_len, num_heads, head_dim).transpose(1, 2).contiguous()
+    return args, (q_dense, dense(kv_cache[:, 0, 0]), dense(kv_cache[:, 0, 1]))
+
+
+def _row(name: str, ours_ms: float, base_ms: float, amount: float, unit: str, peak: float | None) -> str:
+    rate = amount / (ours_ms * 1e-3)
+    scale = 1e9 if unit == "GB/s" else 1e12
+    of_peak = f"{rate / peak:6.1%}" if peak else "     -"
+    return (f"{name:<34} {ours_ms:9.3f} {base_ms:9.3f} {base_ms / ours_ms:7.2f}x "
+            f"{rate / scale:9.1f} {unit:<7} {of_peak}")
+
+
+def bench_attention(bandwidth: float | None, flops: float | None) -> list[str]:
+    from kernels.paged_attention import paged_attention
+    rows = []
+    dtype, heads, kv_heads, head_dim = torch.bfloat16, 32, 8, 128
+    decode_cases = [("decode 64 x 4K", 64, 4096, None), ("decode 4 x 32K (auto split)", 4, 32768, None),
+                    ("decode 4 x 32K (no split)", 4, 32768, 1)]
+    for name, batch, ctx, splits in decode_cases:
+        args, (q, k, v) = _paged_case(batch, ctx, 1, heads, kv_heads, head_dim, 16, dtype)
+        ours = _time_ms(lambda: paged_attention(*args, num_splits=splits))
+        base = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        kv_bytes = 2 * batch * ctx * kv_heads * head_dim * k.element_size()
+        rows.append(_row(name, ours, base, kv_bytes, "GB/s", bandwidth))
+        del args, q, k, v
+    for name, batch, seq in [("prefill 4 x 2K causal", 4, 2048), ("prefill 1 x 8K causal", 1, 8192)]:
+        args, (q, k, v) = _paged_case(batch, seq, seq, heads, kv_heads, head_dim, 16, dtype)
+        ours = _time_ms(lambda: paged_attention(*args))
+        base = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        causal_flops = 4 * batch * heads * seq * seq * head_dim / 2
+        rows.append(_row(name, ours, base, causal_flops, "TFLOP/s", flops))
+        del args, q, k, v
+    return rows
+
+
+def bench_small_kernels(bandwidth: float | None) -> list[str]:
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+    from kernels.rms_norm import rms_norm, rms_norm_ref
+    from kernels.rotary import build_cos_sin_cache, rotary, rotary_ref
+    from kernels.store_kv import store_kv, store_kv_ref
+    dtype, tokens, hidden = torch.bfloat16, 4096, 4096
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    gate_up = torch.randn(tokens, 2 * 14336, device="cuda", dtype=dtype)
+    q = torch.randn(tokens, 32, 128, device="cuda", dtype=dtype)
+    k = torch.randn(tokens, 8, 128, device="cuda", dtype=dtype)
+    cache = build_cos_sin_cache(128, 8192, 500000.0).cuda()
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    kv_cache = torch.zeros(tokens // 16 * 2, 1, 2, 16, 8, 128, device="cuda", dtype=dtype)
+    slots = torch.randperm(tokens * 2, device="cuda")[:tokens]
+    el = x.element_size()
+    cases = [
+        ("rms_norm + residual 4096x4096", lambda: rms_norm(x, w, 1e-5, res),
+         lambda: rms_norm_ref(x, w, 1e-5, res), 4 * x.numel() * el),
+        ("silu_and_mul 4096x14336", lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up),
+         1.5 * gate_up.numel() * el),
+        ("rotary q32/k8 x128, 4096 tok", lambda: rotary(q, k, positions, cache),
+         lambda: rotary_ref(q, k, positions, cache), 2 * (q.numel() + k.numel()) * el),
+        ("store_kv 4096 tok", lambda: store_kv(k, k, kv_cache[:, 0, 0], kv_cache[:, 0, 1], slots),
+         lambda: store_kv_ref(k, k, kv_cache[:, 0, 0], kv_cache[:, 0, 1], slots), 4 * k.numel() * el),
+    ]
+    return [_row(name, _time_ms(ours), _time_ms(base), nbytes, "GB/s", bandwidth)
+            for name, ours, base, nbytes in cases]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("kernels.bench needs a CUDA device (Triton kernels are timed natively); none found, "
+              "nothing to measure.")
+        return 0
+    name = torch.cuda.get_device_name()
+    bandwidth, flops = _peak(name)
+    print(f"device: {name}  peak HBM {bandwidth / 1e12 if bandwidth else '?'} TB/s, "
+          f"bf16 {flops / 1e12 if flops else '?'} TFLOP/s; all inputs bf16")
+    print("baseline: SDPA on contiguous K/V (attention), the torch reference (other kernels)")
+    print(f"{'kernel':<34} {'triton ms':>9} {'torch ms':>9} {'speedup':>8} {'achieved':>9} "
+          f"{'':<7} {'of peak'}")
+    for row in bench_attention(bandwidth, flops) + bench_small_kernels(bandwidth):
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
