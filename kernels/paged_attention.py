@@ -26,7 +26,6 @@ merges the partials. Used when there are too few (tile, kv_head) programs to fil
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.config import RopeScaling
 from kernels.activation import silu_and_mul, silu_and_mul_ref

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import _triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.block_copy import copy_blocks_ref, gather_blocks, gather_blocks_ref, scatter_blocks_ref
 from kernels.ops import BACKEND_ENV, Ops, get_ops, select_backend
@@ -55,7 +54,6 @@ def test_triton_launch_refused_on_cpu_without_interpreter(monkeypatch):
         silu_and_mul(torch.randn(2, 4))
 
 
-# ---- paged attention: each case breaks one argument of a valid call ----
 
 def _attention_args():
     case = make_attention_case([20, 5], [3, 1], 4, 2, 16, 16)
@@ -104,7 +102,6 @@ def test_paged_attention_ref_rejects_bad_lengths():
         paged_attention_ref(**args)
 
 
-# ---- the small kernels ----
 
 @pytest.mark.parametrize("impl", [rms_norm_ref, pytest.param(rms_norm, marks=requires_triton)])
 def test_rms_norm_rejects(impl):
