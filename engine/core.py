@@ -37,15 +37,7 @@ class EngineCore:
         Returns the ids of its samples: ``[request_id]``, or ``"<request_id>/<i>"`` for
         i < n when n > 1 (sample i is seeded with seed + i; samples 1.. share sample 0's
         prompt blocks)."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {bad[:8]}")
-        params.validate(vocab_size, self.model_config.max_model_len, len(prompt_token_ids))
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = params.with_bad_words_tokenized(self.tokenizer.encode)
+        params = self._validate(prompt_token_ids, params)
         if request_id in self._samples:
             raise ValueError(f"request id {request_id!r} is already in use")
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
@@ -64,6 +56,18 @@ class EngineCore:
             self.scheduler.add_request(request, fork_from=requests[0].request_id)
         self._samples[request_id] = sample_ids
         return sample_ids
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {bad[:8]}")
+        params.validate(vocab_size, self.model_config.max_model_len, len(prompt_token_ids))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.with_bad_words_tokenized(self.tokenizer.encode)
+        return params
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples). Unknown or finished ids are ignored."""
@@ -100,6 +104,34 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # ---- disaggregation hooks (services/prefill, services/decode) -------------------
+
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> list[int] | None:
+        """DECODE role: validate the request and reserve blocks for its prompt's KV, which a
+        prefill worker will write. Returns the block ids, or None when the pool is full."""
+        self._validate(prompt_token_ids, params)
+        if params.n != 1:
+            raise ValueError("a disaggregated request carries one sample (n=1) per decode request")
+        generator = torch.Generator(device=self.runner.device) if params.seed is not None else None
+        request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
+                          generator)
+        block_ids = self.scheduler.reserve_remote(request)
+        if block_ids is not None:
+            self._samples[request_id] = [request_id]
+        return block_ids
+
+    def finish_remote_kv(self, request_id: str, first_token_id: int) -> None:
+        """DECODE role: the reserved blocks hold the prompt's KV; decode from ``first_token_id``."""
+        self.scheduler.finish_remote_kv(request_id, first_token_id)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.kv_manager.get_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        """PREFILL role: the finished request's blocks were sent; free (and keep cached) them."""
+        self.scheduler.release_held(request_id)
 
     def take_kv_events(self) -> list:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""

@@ -20,7 +20,7 @@ from engine.sampling.logprobs import compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata
 from engine.sampling.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
-from kernels.block_copy import copy_blocks
+from kernels.block_copy import copy_blocks, copy_blocks_ref
 from kernels.ops import get_ops, select_backend
 
 
@@ -44,6 +44,7 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = loaded.config.eos_token_ids
         self.sampler = Sampler()
+        self._copy_blocks = copy_blocks if self.backend == "triton" else copy_blocks_ref
 
     @property
     def num_blocks(self) -> int:
@@ -54,7 +55,8 @@ class ModelRunner:
         (and for the parallel samples forked from it this step)."""
         if sched.copy_ops:
             src, dst = zip(*sched.copy_ops)
-            copy_blocks(self.kv_cache, torch.tensor(src), torch.tensor(dst))
+            self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),
+                              torch.tensor(dst, device=self.device))
         seqs: list[ScheduledSeq] = []
         sample_rows: list[tuple[Request, int]] = []  # (request to sample for, logits row)
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first row, count, start)

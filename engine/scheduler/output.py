@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_computed_tokens: int = 0  # KV that exists now (PREFILL: what can be sent)
     error: str | None = None
     parent_id: str | None = None  # the caller's request id when n > 1
     index: int = 0

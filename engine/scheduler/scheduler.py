@@ -63,11 +63,30 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def finish_remote_kv(self, request_id: str) -> None:
-        """DECODE: the prompt's KV has landed in the blocks reserved for this request."""
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """DECODE: hold blocks for a prompt whose KV another worker computes and sends.
+        Returns the block ids to write into, or None (nothing changed) when they do not fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens,
+                                          num_computed_tokens=0) is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._update_block_hashes(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return self.kv_manager.get_block_ids(request.request_id)
+
+    def finish_remote_kv(self, request_id: str, first_token_id: int) -> None:
+        """DECODE: the prompt's KV has landed; ``first_token_id`` was sampled by the prefill
+        worker. The request joins the batch at the next step."""
         request = self.requests[request_id]
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = request.num_prompt_tokens
+        request.output_token_ids.append(first_token_id)
         request.status = RequestStatus.WAITING
+        self._update_block_hashes(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id in self.held:
@@ -195,7 +214,7 @@ class Scheduler:
                 self._update_block_hashes(request)
                 self.kv_manager.cache_blocks(request.request_id, request.block_hashes,
                                              request.num_computed_tokens, request.all_token_ids)
-            if not new_token_ids and not request.is_finished:
+            if not new_token_ids and not request.is_finished and self.config.role != Role.PREFILL:
                 continue
             output = self._output(request, new_token_ids)
             output.new_logprobs = logprobs.get(request.request_id)
@@ -228,6 +247,7 @@ class Scheduler:
         return RequestOutput(request.request_id, new_token_ids,
                              num_prompt_tokens=request.num_prompt_tokens,
                              num_cached_tokens=request.num_cached_tokens,
+                             num_computed_tokens=request.num_computed_tokens,
                              parent_id=request.parent_id, index=request.index)
 
     def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
