@@ -1,0 +1,151 @@
+"""EngineCore on its own thread, driven from asyncio.
+
+The engine loop runs ``step()`` back to back while there is work, and between steps applies
+the commands that async handlers queued (add, abort, reserve, ...). Each request's outputs go
+to an asyncio queue owned by the handler that added it. Every service (colocated router,
+prefill, decode) wraps its engine in one of these; nothing else touches the EngineCore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IDLE_WAIT_S = 0.005  # how long the loop sleeps when nothing is schedulable
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- API for async handlers ------------------------------------------------------
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run ``fn(core)`` on the engine thread between two steps; return its result or
+        raise its exception."""
+        if not self.is_alive:
+            raise EngineDead(f"engine thread is not running: {self.error!r}")
+        future: asyncio.Future[T] = self._loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn(self.core)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.append(command)
+        self._wake.set()
+        return await future
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until every sample finished. Closing the
+        iterator early (client gone, stop string) aborts the request in the engine."""
+        queue = self.subscribe(request_id)
+        finished = 0
+        try:
+            await self.call(lambda core: core.add_request(request_id, prompt_token_ids, params))
+            while finished < params.n:
+                output = await self.next_output(queue)
+                finished += output.finished
+                yield output
+        finally:
+            self.unsubscribe(request_id)
+            if finished < params.n and self.is_alive:
+                await self.call(lambda core: core.abort_request(request_id))
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """Route outputs of ``request_id`` (and of its samples) to a new queue."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    @staticmethod
+    async def next_output(queue: asyncio.Queue) -> RequestOutput:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                while self._commands:
+                    self._commands.popleft()()
+                outputs = self.core.step() if self.core.has_unfinished_requests() else []
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                elif not self._commands:
+                    self._wake.wait(IDLE_WAIT_S if self.core.has_unfinished_requests() else 0.5)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiter
+            log.exception("engine loop died")
+            self.error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.parent_id or output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDead(f"engine loop died: {error!r}"))
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

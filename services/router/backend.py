@@ -1,0 +1,56 @@
+"""What the router's frontends (HTTP, gRPC) talk to: a request in, token events out.
+
+Two implementations share this interface: ``ColocatedBackend`` (an EngineCore in this
+process, COLOCATED role) and ``DisaggregatedBackend`` (a prefill worker then a decode worker
+over gRPC). Backends speak token ids only; the frontend owns tokenization, detokenization and
+stop strings, and closes the event iterator when a stop string matched or the client left,
+which must abort the request everywhere it holds resources.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class BackendError(RuntimeError):
+    """A request failed after it was accepted (worker died, transfer failed)."""
+
+
+class Overloaded(RuntimeError):
+    """No worker can take the request now (maps to RESOURCE_EXHAUSTED / HTTP 503)."""
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens of one sample. ``logprobs`` holds one entry per token when requested."""
+
+    index: int  # which of the n samples
+    token_ids: list[int]
+    logprobs: list | None = None  # [engine.sampling.logprobs.PositionLogprobs]
+    prompt_logprobs: list | None = None  # sent once, with the first event of sample 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Backend(abc.ABC):
+    @abc.abstractmethod
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the request's token events until every sample finished. Raises ValueError
+        for bad input (before any event), Overloaded, or BackendError."""
+
+    async def start(self) -> None:
+        """Connect / start engines. Called once before serving."""
+
+    async def close(self) -> None:
+        """Stop engines and channels."""
+
+    @abc.abstractmethod
+    async def is_healthy(self) -> bool:
+        ...
