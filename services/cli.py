@@ -1,24 +1,39 @@
-"""The ``pdserve`` command line.
+"""The ``pdserve`` command line: each subcommand's flags live in the module that runs it.
 
-    pdserve bench engine [...]     offline engine benchmark (loadtests/bench_engine.py)
+    pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
+    pdserve serve router|prefill|decode|kvstore [...]
+    pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
+    pdserve bench engine [...]
+
+Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
+
+COMMANDS = {
+    ("up",): "services.launcher",
+    ("serve", "router"): "services.router.__main__",
+    ("serve", "prefill"): "services.prefill.__main__",
+    ("serve", "decode"): "services.decode.__main__",
+    ("serve", "kvstore"): "services.kvstore.__main__",
+    ("generate",): "services.router.client",
+    ("bench", "engine"): "loadtests.bench_engine",
+}
+
+USAGE = "usage: pdserve {" + " | ".join(" ".join(k) for k in COMMANDS) + "} [options]"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run a benchmark from loadtests/")
-    bench.add_argument("which", choices=["engine"])
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from loadtests import bench_engine
-        bench_engine.main(rest)
+    for words, module in COMMANDS.items():
+        if tuple(argv[:len(words)]) == words:
+            importlib.import_module(module).main(argv[len(words):])
+            return
+    print(USAGE, file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
