@@ -110,6 +110,42 @@ class SchedulerConfig:
                 f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+SPEC_METHODS = ("ngram", "layer-skip", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding. ``method`` None turns it off.
+
+    ngram: prompt lookup; layer-skip: the target's first ``num_layers`` layers + final norm +
+    LM head draft (sharing the target's KV for those layers); draft: a separate model at
+    ``draft_model`` with the same tokenizer. ``max_batch``: at or above this many running
+    requests nobody speculates (see docs/benchmarks.md for how it was measured).
+    """
+
+    method: str | None = None
+    k: int = 4
+    draft_model: str | None = None
+    num_layers: int | None = None
+    max_batch: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"spec method must be one of {'|'.join(SPEC_METHODS)}, got {self.method!r}")
+        if not 1 <= self.k <= 16:
+            raise ConfigError(f"spec k must be in 1..16, got {self.k}")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("spec method 'draft' needs a draft model path (--draft-model)")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ConfigError(f"spec num_layers must be >= 1, got {self.num_layers}")
+        if self.max_batch < 1:
+            raise ConfigError(f"spec max_batch must be >= 1, got {self.max_batch}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore needs; built once by LLM / the services."""
@@ -117,6 +153,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype of the weights and activations
     seed: int = 0

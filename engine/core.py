@@ -15,6 +15,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.scheduler import Scheduler
+from engine.spec_decode.decoder import SpecDecoder
 
 
 class EngineCore:
@@ -26,6 +27,7 @@ class EngineCore:
         self.block_pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching,
                                     enable_events=config.cache.enable_kv_events)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
+        self.spec = SpecDecoder(config.spec, self.runner, config.cache) if config.spec.method else None
         self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
         self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
                                    config.cache.block_size, config.cache.enable_prefix_caching)
@@ -71,7 +73,11 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples). Unknown or finished ids are ignored."""
-        outputs = [self.scheduler.abort_request(i) for i in self._samples.pop(request_id, [])]
+        sample_ids = self._samples.pop(request_id, [])
+        if self.spec is not None:
+            for sample_id in sample_ids:
+                self.spec.remove(sample_id)
+        outputs = [self.scheduler.abort_request(i) for i in sample_ids]
         return [o for o in outputs if o is not None]
 
     def finish_request(self, sample_id: str) -> RequestOutput | None:
@@ -83,11 +89,17 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule -> execute -> update. Returns each touched request's new tokens."""
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
-        result = self.runner.execute(sched, block_ids)
+        if self.spec is not None:
+            self.spec.fill(sched, block_ids)
+        result = self.runner.execute(sched, block_ids, self.spec and self.spec.draft_probs)
+        if self.spec is not None:
+            self.spec.record(sched, result.sampled)
         outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
         for output in outputs:
             if output.finished:
@@ -95,6 +107,8 @@ class EngineCore:
         return outputs
 
     def _forget_sample(self, output: RequestOutput) -> None:
+        if self.spec is not None:
+            self.spec.remove(output.request_id)
         request_id = output.parent_id or output.request_id
         sample_ids = self._samples.get(request_id)
         if sample_ids is not None and output.request_id in sample_ids:
@@ -132,6 +146,10 @@ class EngineCore:
     def release_held(self, request_id: str) -> None:
         """PREFILL role: the finished request's blocks were sent; free (and keep cached) them."""
         self.scheduler.release_held(request_id)
+
+    def spec_stats(self) -> dict | None:
+        """Speculation statistics (proposed / accepted per position), None when it is off."""
+        return self.spec.stats() if self.spec is not None else None
 
     def take_kv_events(self) -> list:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from engine.core import EngineCore
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling.detokenizer import IncrementalDetokenizer
@@ -61,14 +61,18 @@ class LLM:
     """Loads a model (``None`` = the embedded default; a path; or a LoadedModel) and generates.
 
     Keyword arguments set the engine: block_size, num_kv_blocks, kv_cache_memory (bytes),
-    max_num_seqs, max_num_batched_tokens, max_model_len, device, dtype, enable_prefix_caching.
+    max_num_seqs, max_num_batched_tokens, max_model_len, device, dtype, enable_prefix_caching;
+    speculative decoding: spec_method ('ngram' | 'layer-skip' | 'draft'), spec_k, draft_model,
+    spec_layers, spec_max_batch.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, *, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int = 512 * 1024 * 1024,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, device: str = "cpu", dtype: str = "float32",
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, spec_method: str | None = None,
+                 spec_k: int = 4, draft_model: str | None = None, spec_layers: int | None = None,
+                 spec_max_batch: int = 8) -> None:
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         if max_model_len is not None:
             loaded = dataclasses.replace(
@@ -82,6 +86,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
+            spec=SpecConfig(method=spec_method, k=spec_k, draft_model=draft_model,
+                            num_layers=spec_layers, max_batch=spec_max_batch),
             device=device, dtype=dtype,
         ), loaded)
         self._ids = itertools.count()

@@ -20,6 +20,7 @@ from engine.sampling.logprobs import compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata
 from engine.sampling.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
+from engine.spec_decode.verify import verify_drafts
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from kernels.ops import get_ops, select_backend
 
@@ -50,15 +51,19 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.shape[0]
 
-    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+                draft_probs: dict[str, torch.Tensor | None] | None = None) -> RunnerOutput:
         """Forward the scheduled tokens; sample for every request that reached its last token
-        (and for the parallel samples forked from it this step)."""
+        (and for the parallel samples forked from it this step); verify draft tokens of the
+        requests that carry them (``draft_probs``: their q, None for a point mass)."""
         if sched.copy_ops:
             src, dst = zip(*sched.copy_ops)
             self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),
                               torch.tensor(dst, device=self.device))
         seqs: list[ScheduledSeq] = []
         sample_rows: list[tuple[Request, int]] = []  # (request to sample for, logits row)
+        verify_reqs: list[Request] = []
+        verify_rows: list[int] = []  # logits rows of the verified positions, request by request
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first row, count, start)
         num_rows = 0
         for request in sched.scheduled:
@@ -69,11 +74,17 @@ class ModelRunner:
             wants_prompt = (request.sampling_params.prompt_logprobs is not None
                             and start < request.num_prompt_tokens)
             num_logits = num_new if wants_prompt else int(reaches_end)
+            if request.spec_token_ids:  # the last token + k drafts: k + 1 positions to verify
+                num_logits = max(num_logits, len(request.spec_token_ids) + 1)
             seqs.append(ScheduledSeq(token_ids, start, block_ids[request.request_id], num_logits))
             if wants_prompt:  # row for position p predicts prompt token p + 1
                 count = min(start + num_new, request.num_prompt_tokens - 1) - start
                 prompt_rows.append((request, num_rows, count, start))
-            if reaches_end:
+            if request.spec_token_ids:
+                verify_reqs.append(request)
+                verify_rows += range(num_rows + num_logits - len(request.spec_token_ids) - 1,
+                                     num_rows + num_logits)
+            elif reaches_end:
                 last_row = num_rows + num_logits - 1
                 sample_rows += [(r, last_row) for r in
                                 [request, *sched.fork_children.get(request.request_id, ())]]
@@ -93,6 +104,11 @@ class ModelRunner:
                 include_first=start == 0)
         if sample_rows:
             self._sample(logits, sample_rows, out)
+        if verify_reqs:
+            accepted = verify_drafts(logits[verify_rows], verify_reqs, draft_probs or {},
+                                     self.vocab_size, self.device, self.sampler.generator)
+            for request, token_ids in zip(verify_reqs, accepted):
+                out.sampled[request.request_id] = token_ids
         return out
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, int]],

@@ -1,0 +1,105 @@
+"""The engine side of speculative decoding: how many drafts, from where, and statistics.
+
+Per step (EngineCore.step)::
+
+    plan(running)            before schedule: each decoding request gets k drafts (n-gram:
+                             the tokens themselves; model drafters: k placeholder slots), so
+                             the scheduler counts them in the token budget and allocates slots
+    fill(sched, block_ids)   after schedule: trim drafts to what the budget allowed and run
+                             the model drafter into the reserved slots
+    ...runner verifies...    rejection sampling; update() rolls the block table back
+    record(sched, sampled)   acceptance statistics, adaptive k
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig, SpecConfig
+from engine.request import Request
+from engine.scheduler.output import SchedulerOutput
+from engine.spec_decode.adaptive import AdaptiveK, AdaptiveKConfig
+from engine.spec_decode.model_drafter import DraftModelDrafter, LayerSkipDrafter
+from engine.spec_decode.ngram import propose_ngram
+
+PLACEHOLDER_TOKEN = 0  # a model drafter's slot before fill() writes the real draft
+
+
+class SpecDecoder:
+    def __init__(self, config: SpecConfig, runner, cache_config: CacheConfig) -> None:
+        self.config = config
+        self.adaptive = AdaptiveK(AdaptiveKConfig(
+            max_k=config.k, batch_size_threshold=config.max_batch, probe_k=1))
+        model = runner.model
+        self.drafter = None
+        if config.method == "layer-skip":
+            num_layers = config.num_layers or max(1, model.config.num_layers // 4)
+            self.drafter = LayerSkipDrafter(model, runner.kv_cache, num_layers, runner.block_size)
+        elif config.method == "draft":
+            from engine.models.llama import LlamaForCausalLM
+            from engine.models.loader import load_model
+            loaded = load_model(config.draft_model)
+            if loaded.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"draft model vocab ({loaded.config.vocab_size}) differs from the "
+                                 f"target's ({model.config.vocab_size}): it must share the tokenizer")
+            draft = LlamaForCausalLM(loaded.config, loaded.weights, model.ops, model.device, model.dtype)
+            self.drafter = DraftModelDrafter(draft, CacheConfig(
+                block_size=runner.block_size, memory_budget_bytes=cache_config.memory_budget_bytes // 4,
+                dtype=cache_config.dtype, enable_prefix_caching=False))
+        self.draft_probs: dict[str, torch.Tensor | None] = {}
+
+    def plan(self, running: list[Request], max_model_len: int) -> None:
+        batch_size = len(running)
+        for request in running:
+            request.spec_token_ids = []
+            params = request.sampling_params
+            if request.num_computed_tokens != request.num_tokens - 1 or params.logprobs is not None:
+                continue  # still prefilling, or wants per-token logprobs (not with drafts)
+            k = self.adaptive.next_k(request.request_id, batch_size)
+            if params.max_tokens is not None:
+                k = min(k, params.max_tokens - request.num_output_tokens - 1)
+            k = min(k, max_model_len - request.num_tokens - 1)
+            if k <= 0:
+                continue
+            if self.drafter is None:
+                request.spec_token_ids = propose_ngram(request.all_token_ids, k,
+                                                       self.config.ngram_min, self.config.ngram_max)
+            else:
+                request.spec_token_ids = [PLACEHOLDER_TOKEN] * k
+
+    def fill(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> None:
+        self.draft_probs = {}
+        drafted, ks = [], []
+        for request in sched.scheduled:
+            if not request.spec_token_ids:
+                continue
+            allowed = sched.num_scheduled_tokens[request.request_id] - 1  # the budget may cut drafts
+            del request.spec_token_ids[max(allowed, 0):]
+            if self.drafter is not None and request.spec_token_ids:
+                drafted.append(request)
+                ks.append(len(request.spec_token_ids))
+        if not drafted:
+            return
+        for request, proposal in zip(drafted, self.drafter.draft(drafted, ks, block_ids)):
+            request.spec_token_ids = proposal.draft_token_ids
+            sched.num_scheduled_tokens[request.request_id] = 1 + len(proposal.draft_token_ids)
+            self.draft_probs[request.request_id] = proposal.draft_probs
+
+    def record(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        for request in sched.scheduled:
+            if request.spec_token_ids:
+                num_accepted = len(sampled.get(request.request_id, ())) - 1
+                self.adaptive.record(request.request_id, len(request.spec_token_ids), num_accepted)
+
+    def remove(self, request_id: str) -> None:
+        self.adaptive.remove(request_id)
+        if self.drafter is not None:
+            self.drafter.remove(request_id)
+
+    def stats(self) -> dict:
+        """Proposed / accepted drafts per position and the mean accepted length per step."""
+        a = self.adaptive
+        return {"num_spec_steps": a.num_spec_steps,
+                "num_proposed_per_position": list(a.num_proposed_per_position),
+                "num_accepted_per_position": list(a.num_accepted_per_position),
+                "mean_accepted_length": a.mean_accepted_length}
