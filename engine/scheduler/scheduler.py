@@ -49,13 +49,7 @@ class Scheduler:
         request and starts from its prompt's blocks."""
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        max_len = min(request.num_prompt_tokens + (request.sampling_params.max_tokens or 0),
-                      self.max_model_len)
-        if not self.kv_manager.can_fit(max(max_len, request.num_tokens)):
-            raise ValueError(
-                f"request {request.request_id!r} needs KV for {max_len} tokens, more than the whole "
-                f"cache holds ({self.kv_manager.num_total_blocks} blocks of {self.block_size}); "
-                f"lower max_tokens or the prompt length, or give the cache more memory")
+        self._check_fits(request)
         self._update_block_hashes(request)
         self.requests[request.request_id] = request
         if fork_from is not None:
@@ -63,11 +57,26 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    def _check_fits(self, request: Request) -> None:
+        """Raise ValueError if the request could not finish even with the whole cache to itself
+        (it would preempt itself forever)."""
+        num_prompt, params = request.num_prompt_tokens, request.sampling_params
+        max_len = num_prompt + params.resolve_max_tokens(num_prompt, self.max_model_len)
+        if not self.kv_manager.can_fit(max(max_len, request.num_tokens)):
+            limit = (f"max_tokens {params.max_tokens}" if params.max_tokens is not None
+                     else f"max_tokens None: up to the context length {self.max_model_len}")
+            raise ValueError(
+                f"request {request.request_id!r} needs KV for up to {max_len} tokens (prompt "
+                f"{num_prompt} + {limit}), more than the whole cache holds "
+                f"({self.kv_manager.block_pool.num_blocks} blocks of {self.block_size} tokens); "
+                f"lower max_tokens or the prompt length, or give the cache more memory")
+
     def reserve_remote(self, request: Request) -> list[int] | None:
         """DECODE: hold blocks for a prompt whose KV another worker computes and sends.
         Returns the block ids to write into, or None (nothing changed) when they do not fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_fits(request)
         if self.kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens,
                                           num_computed_tokens=0) is None:
             return None
