@@ -174,7 +174,7 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens_with_spec - request.num_computed_tokens
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
-        if num_new < request.num_tokens - request.num_computed_tokens:  # still prefilling
+        if request.num_tokens - request.num_computed_tokens > 1:  # still prefilling: a chunk
             num_new = min(num_new, self._chunk_cap())
         return max(num_new, 0)
 
