@@ -1,7 +1,7 @@
 """One token-accounting scheduler (vLLM v1 style), for every role.
 
-Each step, running requests go first (decode tokens, draft tokens, or the next prefill
-chunk), then waiting requests fill what is left of the token budget. There is no prefill or
+Each step, running requests go first (decode tokens with their draft tokens, then the next
+prefill chunks), then waiting requests fill what is left of the token budget. There is no prefill or
 decode phase: a request is scheduled ``num_tokens_with_spec - num_computed_tokens`` tokens,
 capped by the budget. When the KV pool runs out, the newest running request is preempted
 by recompute: its blocks are freed and it goes back to the front of the waiting queue with
@@ -117,18 +117,21 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        # Decodes (with their drafts) first, then prefill chunks, each in arrival order: a long
+        # prompt gets only what the token streams leave of the budget.
+        for request in sorted(self.running, key=self._is_prefilling):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
-                i += 1
                 continue
             while self.kv_manager.allocate_slots(
                     request.request_id, request.num_computed_tokens + num_new,
                     num_computed_tokens=request.num_computed_tokens) is None:
                 victim = self.running.pop()
-                self._preempt(victim, out)
+                budget += self._preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
@@ -136,7 +139,6 @@ class Scheduler:
                 out.scheduled.append(request)
                 out.num_scheduled_tokens[request.request_id] = num_new
                 budget -= num_new
-                i += 1
 
         for request in list(self.waiting):
             if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
@@ -174,11 +176,17 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens_with_spec - request.num_computed_tokens
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
-        if request.num_tokens - request.num_computed_tokens > 1:  # still prefilling: a chunk
+        if self._is_prefilling(request):
             num_new = min(num_new, self._chunk_cap())
         return max(num_new, 0)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Free the request's blocks and queue it first for recompute. Returns the tokens it
+        had been scheduled this step (now back in the budget)."""
         self.kv_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -189,7 +197,7 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
         if request in out.scheduled:
             out.scheduled.remove(request)
-            del out.num_scheduled_tokens[request.request_id]
+        return out.num_scheduled_tokens.pop(request.request_id, 0)
 
     # ---- update ----------------------------------------------------------------------
 
