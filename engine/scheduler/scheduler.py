@@ -146,7 +146,9 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
             computed_blocks, num_computed = [], request.num_computed_tokens
-            if num_computed == 0 and self.enable_prefix_caching:
+            # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
+            if (num_computed == 0 and self.enable_prefix_caching
+                    and request.sampling_params.prompt_logprobs is None):
                 computed_blocks, num_computed = self.kv_manager.get_computed_blocks(
                     request.block_hashes, request.num_tokens)
             num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
@@ -191,6 +193,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if request.num_output_tokens == 0:  # the recompute yields its prompt logprobs again
+            request.prompt_logprobs = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
