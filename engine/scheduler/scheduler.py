@@ -141,7 +141,7 @@ class Scheduler:
                 budget -= num_new
 
         for request in list(self.waiting):
-            if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or preempted or self._num_seats_taken() >= self.config.max_num_seqs:
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
@@ -164,13 +164,34 @@ class Scheduler:
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
-        for request in out.scheduled:
-            children = self.fork_pending.get(request.request_id)
-            if children and (request.num_computed_tokens
-                             + out.num_scheduled_tokens[request.request_id] >= request.num_tokens):
-                out.fork_children[request.request_id] = children
+        self._plan_forks(out)
         out.copy_ops = self.kv_manager.take_copy_ops()
         return out
+
+    def _plan_forks(self, out: SchedulerOutput) -> None:
+        """n > 1: the samples of a request whose prompt completes this step fork from it (the
+        runner samples their first tokens from its last logits row), as many as there are
+        seats under max_num_seqs; the others go to the front of the queue and compute the
+        prompt themselves (a prefix hit on its blocks once they are cached)."""
+        for request in out.scheduled:
+            children = self.fork_pending.get(request.request_id)
+            if not children or (request.num_computed_tokens
+                                + out.num_scheduled_tokens[request.request_id] < request.num_tokens):
+                continue
+            num_seats = self.config.max_num_seqs - (self._num_seats_taken() - len(children))
+            num_forked = max(num_seats, 0)
+            self.waiting.extendleft(reversed(children[num_forked:]))
+            del children[num_forked:]
+            if children:
+                out.fork_children[request.request_id] = list(children)
+            else:
+                del self.fork_pending[request.request_id]
+
+    def _num_seats_taken(self) -> int:
+        """Running requests plus the samples that will fork from running ones."""
+        return len(self.running) + sum(
+            len(children) for parent_id, children in self.fork_pending.items()
+            if self.requests[parent_id].status == RequestStatus.RUNNING)
 
     def _chunk_cap(self) -> int:
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
@@ -247,15 +268,17 @@ class Scheduler:
         return outputs
 
     def _with_forks(self, out: SchedulerOutput):
-        """The step's requests, each followed by the samples forked from it this step."""
+        """The step's requests, each followed by the samples forked from it this step. They
+        fork before the parent's own update, which may finish it and free its blocks."""
         for request in out.scheduled:
+            children = [] if request.is_finished else [  # aborted while the step ran
+                c for c in out.fork_children.get(request.request_id, ()) if not c.is_finished]
+            if children:
+                self.fork_pending.pop(request.request_id, None)
+                for child in children:
+                    self.kv_manager.fork(request.request_id, child.request_id)
             yield request
-            children = out.fork_children.get(request.request_id)
-            if not children or request.num_computed_tokens < request.num_prompt_tokens:
-                continue
-            del self.fork_pending[request.request_id]
             for child in children:
-                self.kv_manager.fork(request.request_id, child.request_id)
                 child.status = RequestStatus.RUNNING
                 child.num_computed_tokens = request.num_prompt_tokens
                 child.num_cached_tokens = request.num_cached_tokens
@@ -314,6 +337,8 @@ class Scheduler:
         else:
             self._drop_pending_fork(request)
         del self.requests[request.request_id]
+        # Samples still waiting to fork from it compute their prompt themselves.
+        self.waiting.extendleft(reversed(self.fork_pending.pop(request.request_id, [])))
         if self.config.role == Role.PREFILL and status == RequestStatus.FINISHED_STOPPED:
             self.held[request.request_id] = request
         else:
