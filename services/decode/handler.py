@@ -1,0 +1,246 @@
+"""DecodeService: reserve blocks for a prompt's KV, wait for it to land, stream the rest.
+
+    ReserveBlocks  core.reserve_remote -> block ids + lease (RESOURCE_EXHAUSTED when full)
+    Decode         claim the reservation, wait (bounded) until every block landed, then
+                   finish_remote_kv(first token) and stream tokens until the request finishes
+    ReleaseBlocks  give a reservation back (prefill failed or was cancelled)
+
+Who frees a reservation's blocks: the engine, once the Decode call handed the request over
+(a client cancel aborts it); before that ReleaseBlocks, the lease, or — for a Decode call that
+ended while KV was still arriving — the end of the writes (see reservations.py).
+Landing is detected here, on the event loop, by draining every receiver's notifications
+(NIXL and gRPC) about once a millisecond while some reservation still waits for KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine.config import Role
+from services.common.async_engine import EngineDead
+from services.common.kv_transfer_grpc import KV_SERVICE_NAME, GrpcKVReceiver
+from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.decode.kv_guard import GuardedKVTransferServicer
+from services.decode.reservations import LeaseState, Reservation, ReservationTable
+from services.worker.convert import (
+    finish_to_proto,
+    logprobs_list_to_proto,
+    params_from_proto,
+)
+from services.worker.kv import make_receivers
+from services.worker.server import RoleHandler, WorkerRuntime
+
+log = logging.getLogger(__name__)
+DECODE_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+PUSH_DRAIN_TIMEOUT_S = 10.0  # a release waits this long for gRPC pushes in progress
+BUSY_POLL_S, IDLE_POLL_S = 0.001, 0.02
+
+
+class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
+    service_names = (DECODE_SERVICE_NAME, KV_SERVICE_NAME)
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        if runtime.role is not Role.DECODE:
+            raise ValueError(f"DecodeWorker needs an engine in the decode role, got {runtime.role}")
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.lease_s = runtime.args.reservation_lease_ms / 1000
+        self.reservations = ReservationTable(self.lease_s)
+        self.receivers = ()
+        self._housekeeper: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self):
+        args, core = self.runtime.args, self.runtime.core
+        self.receivers = make_receivers(args.transfer, self.runtime.model_name, core.runner.kv_cache)
+        grpc_receiver = next(r for r in self.receivers if isinstance(r, GrpcKVReceiver))
+        kv_servicer = GuardedKVTransferServicer(grpc_receiver, self.receivers[-1], self.reservations)
+        self._housekeeper = asyncio.get_running_loop().create_task(self._housekeep())
+        return [(worker_pb2_grpc.add_DecodeServiceServicer_to_server, self),
+                (kv_pb2_grpc.add_KVTransferServiceServicer_to_server, kv_servicer)]
+
+    async def close(self) -> None:
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+        for receiver in self.receivers:
+            receiver.close()
+
+    # ---- RPCs ------------------------------------------------------------------------
+
+    async def ReserveBlocks(self, request: worker_pb2.ReserveBlocksRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.ReserveBlocksResponse:
+        reservation_id = request.request_id
+        prompt = list(request.prompt_token_ids)
+        if not reservation_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReserveBlocks: request_id is empty")
+        if reservation_id in self.reservations:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"ReserveBlocks: {reservation_id!r} is already reserved")
+        core = self.runtime.core
+        try:
+            # reserve_remote validates but keeps the caller's params: tokenize bad words here.
+            params = params_from_proto(request.sampling_params).with_bad_words_tokenized(
+                core.tokenizer.encode)
+            block_ids = await self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ReserveBlocks: {exc}")
+        except EngineDead as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if block_ids is None:
+            block_size = core.config.cache.block_size
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode worker {self.runtime.worker_id} has {core.block_pool.num_free_blocks} free "
+                f"KV blocks; a {len(prompt)}-token prompt needs {-(-len(prompt) // block_size)}")
+        self.reservations.add(reservation_id, prompt, params, block_ids)
+        return worker_pb2.ReserveBlocksResponse(reservation=worker_pb2.BlockReservation(
+            reservation_id=reservation_id, decode_worker_id=self.runtime.worker_id,
+            block_ids=block_ids, num_cached_blocks=0, lease_ms=int(self.lease_s * 1000)))
+
+    async def ReleaseBlocks(self, request: worker_pb2.ReleaseBlocksRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseBlocksResponse:
+        reservation = self.reservations.get(request.reservation_id)
+        if reservation is None or reservation.state is LeaseState.RELEASED:
+            return worker_pb2.ReleaseBlocksResponse(num_blocks_freed=0)
+        was_claimed = reservation.state is LeaseState.CLAIMED
+        self.reservations.mark_released(request.reservation_id)
+        if not was_claimed:  # a claimed one is freed by the Decode call that waits on it
+            await asyncio.shield(self._free(reservation))
+        return worker_pb2.ReleaseBlocksResponse(num_blocks_freed=len(reservation.block_ids))
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            reservation = self.reservations.claim(request.reservation_id)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"Decode: no reservation {request.reservation_id!r} on "
+                                f"{self.runtime.worker_id} (never made, lease expired after "
+                                f"{self.lease_s:g} s, released, or already claimed)")
+        request_id = reservation.reservation_id
+        finished = handed_over = False
+        try:
+            first_token = self._check_tokens(request, reservation)
+            if first_token is None:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"Decode: token_ids must be the reserved {len(reservation.prompt_token_ids)}-token "
+                    f"prompt followed by exactly one token (the first token), and "
+                    f"num_prompt_tokens must match; got {len(request.token_ids)} tokens, "
+                    f"num_prompt_tokens={request.num_prompt_tokens}")
+            await self._wait_landed(reservation, context)
+            self.reservations.pop(request_id)  # consumed: the engine request owns the blocks now
+            handed_over = True
+            queue = self.engine.subscribe(request_id)
+            await self.engine.call(lambda core: core.finish_remote_kv(request_id, first_token))
+            while not finished:
+                output = await self.engine.next_output(queue)
+                finished = output.finished
+                response = worker_pb2.DecodeResponse(
+                    request_id=request_id, token_ids=output.new_token_ids,
+                    logprobs=logprobs_list_to_proto(output.new_logprobs),
+                    finish_reason=finish_to_proto(output.finish_reason))
+                if isinstance(output.stop_reason, int):
+                    response.stop_token_id = output.stop_reason
+                yield response
+        except EngineDead as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            self.engine.unsubscribe(request_id)
+            if handed_over and not finished:
+                await asyncio.shield(self._abort(request_id))
+            elif not handed_over:
+                self._give_up(reservation)
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    @staticmethod
+    def _check_tokens(request: worker_pb2.DecodeRequest, reservation: Reservation) -> int | None:
+        prompt = reservation.prompt_token_ids
+        token_ids = list(request.token_ids)
+        if (len(token_ids) != len(prompt) + 1 or token_ids[:-1] != prompt
+                or request.num_prompt_tokens != len(prompt)):
+            return None
+        return token_ids[-1]
+
+    async def _wait_landed(self, reservation: Reservation, context: grpc.aio.ServicerContext) -> None:
+        """Until every reserved block has landed; aborts the RPC on release or after the lease."""
+        deadline = time.monotonic() + self.lease_s
+        while True:
+            reservation.changed.clear()
+            if reservation.state is LeaseState.RELEASED:
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    f"Decode: reservation {reservation.reservation_id!r} was "
+                                    "released (the prefill side failed or was cancelled)")
+            if reservation.is_landed:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"Decode: KV of {reservation.reservation_id!r} did not land within "
+                    f"{self.lease_s:g} s ({len(reservation.landed_block_ids)} of "
+                    f"{len(reservation.block_ids)} blocks)")
+            try:
+                await asyncio.wait_for(reservation.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _give_up(self, reservation: Reservation) -> None:
+        """A Decode call ends before handing its reservation to the engine: free the blocks
+        now if no write can still arrive, else leave them ABANDONED (reservations.py)."""
+        if reservation.state is LeaseState.RELEASED or reservation.is_landed:
+            self.reservations.mark_released(reservation.reservation_id)
+            self._spawn(self._free(reservation))
+        else:
+            self.reservations.abandon(reservation.reservation_id)
+
+    async def _free(self, reservation: Reservation) -> None:
+        """Wait for gRPC pushes into it to end (bounded), then free its blocks in the engine."""
+        deadline = time.monotonic() + PUSH_DRAIN_TIMEOUT_S
+        while reservation.num_active_pushes > 0 and time.monotonic() < deadline:
+            reservation.changed.clear()
+            try:
+                await asyncio.wait_for(reservation.changed.wait(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+        try:
+            await self._abort(reservation.reservation_id)
+        finally:
+            self.reservations.pop(reservation.reservation_id)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.engine.call(lambda core: core.abort_request(request_id))
+        except EngineDead:
+            pass
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _housekeep(self) -> None:
+        """Count landed blocks; release reservations whose lease ran out."""
+        while True:
+            for receiver in self.receivers:
+                try:
+                    notes = receiver.completed_requests()
+                except Exception:  # noqa: BLE001 - a broken transport must not stop the others
+                    log.exception("draining KV notifications failed")
+                    continue
+                for note in notes:
+                    landed = self.reservations.on_landed(note)
+                    if landed is not None and landed.state is LeaseState.ABANDONED:
+                        self.reservations.mark_released(landed.reservation_id)
+                        self._spawn(self._free(landed))
+            for reservation in self.reservations.expired():
+                log.warning("reservation %s: lease of %g s ran out (%s); releasing %d blocks",
+                            reservation.reservation_id, self.lease_s, reservation.state.value,
+                            len(reservation.block_ids))
+                self.reservations.mark_released(reservation.reservation_id)
+                self._spawn(self._free(reservation))
+            await asyncio.sleep(BUSY_POLL_S if self.reservations.has_pending_kv() else IDLE_POLL_S)

@@ -1,0 +1,48 @@
+"""KVTransferService for a decode worker: gRPC pushes may only write into live reservations.
+
+The shared servicer (services/common/kv_transfer_grpc.py) writes wherever a header points.
+Here the header is checked against the reservation table first, and the push is counted
+while it runs, so released blocks are never written and a release waits for pushes in progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.kv_transfer.base import KVReceiver
+from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
+from services.common.pb import kv_pb2
+from services.decode.reservations import ReservationTable
+
+
+class GuardedKVTransferServicer(KVTransferServicer):
+    def __init__(self, receiver: GrpcKVReceiver, handshake_source: KVReceiver,
+                 reservations: ReservationTable) -> None:
+        super().__init__(receiver, handshake_source)
+        self.reservations = reservations
+
+    async def PushBlocks(self, request_iterator, context: grpc.aio.ServicerContext) -> kv_pb2.PushBlocksAck:
+        chunks = request_iterator.__aiter__()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: empty stream")
+        if not first.HasField("header"):  # the shared servicer rejects it with its message
+            return await super().PushBlocks(_chain(first, chunks), context)
+        header = first.header
+        refusal = self.reservations.begin_push(header.request_id, list(header.dst_block_ids))
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"PushBlocks: {refusal}")
+        try:
+            return await super().PushBlocks(_chain(first, chunks), context)
+        finally:
+            self.reservations.end_push(header.request_id)
+
+
+async def _chain(first: kv_pb2.PushBlocksChunk,
+                 rest: AsyncIterator[kv_pb2.PushBlocksChunk]) -> AsyncIterator[kv_pb2.PushBlocksChunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk

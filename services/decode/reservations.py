@@ -1,0 +1,149 @@
+"""Blocks a decode worker holds for prompts whose KV a prefill worker is writing.
+
+Life of a reservation (its id is the engine request id)::
+
+    ReserveBlocks ──▶ LEASED ──(Decode RPC)──▶ CLAIMED ──(all blocks landed)──▶ decoding
+                        │                       │   (the Decode call ends early,
+                        │                       ▼    KV still arriving)
+                        │                    ABANDONED ──(all blocks landed)──┐
+                        └──(lease runs out, or ReleaseBlocks)─────────────────┴──▶ released
+
+* Landing is counted per block id: each KV notification (one per sender ``send_blocks`` call,
+  NIXL or gRPC) names destination blocks; the reservation is complete when every reserved
+  block has landed. Notifications for unknown or released reservations are ignored.
+* A LEASED reservation that is not claimed within ``lease_s`` is released, so a crashed
+  prefill worker or router cannot leak blocks. Prefill workers stop writing before
+  ``lease_s`` runs out (they get it in the reply), so no one-sided write lands after a release.
+* A Decode call that ends before the KV landed (client cancel) cannot free the blocks at
+  once: a NIXL write may still be on its way. The reservation is ABANDONED and released when
+  the prefill worker says it stopped writing (ReleaseBlocks, sent after its pushes settled),
+  when every block has landed, or when the lease runs out, whichever comes first.
+* gRPC pushes check in (``begin_push``) and out; a release waits for pushes in progress to
+  end before the blocks go back to the pool.
+
+This table is plain data, used from the event loop only; freeing the engine's blocks is the
+caller's job (services/decode/handler.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_transfer.base import KVNotification
+from engine.sampling_params import SamplingParams
+
+
+class LeaseState(enum.Enum):
+    LEASED = "leased"
+    CLAIMED = "claimed"
+    ABANDONED = "abandoned"
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class Reservation:
+    reservation_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    expires_at: float  # time.monotonic(); only LEASED reservations expire
+    state: LeaseState = LeaseState.LEASED
+    landed_block_ids: set[int] = field(default_factory=set)
+    num_active_pushes: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # landed, released, push ended
+
+    @property
+    def is_landed(self) -> bool:
+        return len(self.landed_block_ids) == len(self.block_ids)
+
+    def notify(self) -> None:
+        self.changed.set()
+
+
+class ReservationTable:
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._reservations: dict[str, Reservation] = {}
+
+    def __len__(self) -> int:
+        return len(self._reservations)
+
+    def __contains__(self, reservation_id: str) -> bool:
+        return reservation_id in self._reservations
+
+    def add(self, reservation_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            block_ids: list[int]) -> Reservation:
+        if reservation_id in self._reservations:
+            raise ValueError(f"reservation {reservation_id!r} already exists")
+        reservation = Reservation(reservation_id, list(prompt_token_ids), params, list(block_ids),
+                                  time.monotonic() + self.lease_s)
+        self._reservations[reservation_id] = reservation
+        return reservation
+
+    def get(self, reservation_id: str) -> Reservation | None:
+        return self._reservations.get(reservation_id)
+
+    def claim(self, reservation_id: str) -> Reservation:
+        """LEASED -> CLAIMED (stops the lease). KeyError if unknown, released or claimed."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.state is not LeaseState.LEASED:
+            raise KeyError(reservation_id)
+        reservation.state = LeaseState.CLAIMED
+        return reservation
+
+    def on_landed(self, note: KVNotification) -> Reservation | None:
+        """Count a notification's blocks; returns the reservation if it is now complete."""
+        reservation = self._reservations.get(note.request_id)
+        if reservation is None or reservation.state is LeaseState.RELEASED or reservation.is_landed:
+            return None
+        reservation.landed_block_ids.update(set(note.dst_block_ids) & set(reservation.block_ids))
+        reservation.notify()
+        return reservation if reservation.is_landed else None
+
+    def begin_push(self, reservation_id: str, dst_block_ids: list[int]) -> str | None:
+        """A gRPC push wants to write ``dst_block_ids``: None if allowed, else why not."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.state is LeaseState.RELEASED:
+            return f"no live reservation {reservation_id!r} (never made, expired or released)"
+        stray = sorted(set(dst_block_ids) - set(reservation.block_ids))
+        if stray:
+            return (f"blocks {stray[:8]} are not reserved for {reservation_id!r} "
+                    f"(it holds {reservation.block_ids[:16]})")
+        reservation.num_active_pushes += 1
+        return None
+
+    def end_push(self, reservation_id: str) -> None:
+        reservation = self._reservations.get(reservation_id)
+        if reservation is not None:
+            reservation.num_active_pushes -= 1
+            reservation.notify()
+
+    def expired(self, now: float | None = None) -> list[Reservation]:
+        now = time.monotonic() if now is None else now
+        return [r for r in self._reservations.values()
+                if r.state in (LeaseState.LEASED, LeaseState.ABANDONED) and r.expires_at <= now]
+
+    def abandon(self, reservation_id: str) -> None:
+        """CLAIMED -> ABANDONED: its Decode call ended before the KV landed."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is not None and reservation.state is LeaseState.CLAIMED:
+            reservation.state = LeaseState.ABANDONED
+
+    def has_pending_kv(self) -> bool:
+        return any(r.state is not LeaseState.RELEASED and not r.is_landed
+                   for r in self._reservations.values())
+
+    def mark_released(self, reservation_id: str) -> Reservation | None:
+        """Stop accepting writes and wake its waiter; the caller frees the blocks, then ``pop``s."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.state is LeaseState.RELEASED:
+            return None
+        reservation.state = LeaseState.RELEASED
+        reservation.notify()
+        return reservation
+
+    def pop(self, reservation_id: str) -> Reservation | None:
+        return self._reservations.pop(reservation_id, None)

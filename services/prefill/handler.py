@@ -1,0 +1,287 @@
+"""PrefillService.Prefill: reserve on the decode worker, compute the prompt, push its KV.
+
+One call, as the router sees it (a server stream)::
+
+    reservation   blocks held on the decode worker (skipped when max_tokens == 1)
+    transfer*     progress while chunks compute and after (cumulative, confirmed blocks)
+    first_token   as soon as it is sampled: the router streams it at once (TTFT)
+    transfer      ... the last one has done = true; the call then ends OK
+
+Steps: ReserveBlocks on the target (deadline; RESOURCE_EXHAUSTED passes through) -> add the
+request (PREFILL role: it stops after its first token and its blocks are *held*) -> after
+every engine step push the blocks that became final -> first token -> push the partial last
+block -> wait for every push -> release the held blocks (they stay in the prefix cache).
+
+Failure (client cancel, push failed, lease about to run out, engine error): the request is
+aborted or its held blocks released, in-flight pushes are waited for (bounded), then the
+decode worker is told to ReleaseBlocks — in that order, so no write lands in released blocks.
+Errors that concern the decode worker carry trailing metadata ``pdserve-failed-peer: decode``
+so the router can pick another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine.config import Role
+from engine.core import EngineCore
+from engine.kv_transfer.base import KVTransferError
+from engine.sampling_params import SamplingParams
+from services.common.async_engine import EngineDead
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.prefill.decode_peers import DecodePeer, DecodePeers
+from services.prefill.transfer import RequestTransfer, TransferFailed
+from services.worker.convert import finish_to_proto, logprobs_list_to_proto, logprobs_to_proto, params_from_proto
+from services.worker.kv import METHOD_NAMES, KVPusher, sender_factories, transfer_methods
+from services.worker.server import RoleHandler, WorkerRuntime
+
+log = logging.getLogger(__name__)
+PREFILL_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+FAILED_PEER_KEY = "pdserve-failed-peer"
+RESERVE_TIMEOUT_S = 5.0
+RELEASE_TIMEOUT_S = 2.0
+SETTLE_TIMEOUT_S = 10.0
+LEASE_SAFETY = 0.8  # stop pushing after this fraction of the decode lease
+
+
+class PrefillAbort(Exception):
+    """End the RPC with ``code``; ``peer`` = 'decode' when the decode worker is the cause."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, peer: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message, self.peer = code, message, peer
+
+
+class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
+    service_names = (PREFILL_SERVICE_NAME,)
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        if runtime.role is not Role.PREFILL:
+            raise ValueError(f"PrefillWorker needs an engine in the prefill role, got {runtime.role}")
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.pushers: dict[int, KVPusher] = {}
+        self.peers = DecodePeers()
+        self.default_method = transfer_methods(runtime.args.transfer)[0]
+
+    async def start(self):
+        kv_cache = self.runtime.core.runner.kv_cache
+        for method, factory in sender_factories(self.runtime.args.transfer,
+                                                self.runtime.model_name).items():
+            self.pushers[method] = await KVPusher.create(factory, kv_cache)
+        return [(worker_pb2_grpc.add_PrefillServiceServicer_to_server, self)]
+
+    async def close(self) -> None:
+        for pusher in self.pushers.values():
+            await pusher.close()
+        await self.peers.close()
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        job = None
+        try:
+            job = _PrefillJob(self, request)
+            async for response in job.run():
+                yield response
+        except PrefillAbort as exc:
+            if exc.peer:
+                context.set_trailing_metadata(((FAILED_PEER_KEY, exc.peer),))
+            await context.abort(exc.code, exc.message)
+        finally:
+            if job is not None:
+                await asyncio.shield(job.cleanup())
+
+
+class _PrefillJob:
+    """The state of one Prefill call; ``cleanup`` undoes whatever ``run`` got to."""
+
+    def __init__(self, worker: PrefillWorker, request: worker_pb2.PrefillRequest) -> None:
+        self.worker = worker
+        self.engine = worker.engine
+        self.request_id = request.request_id
+        self.prompt = list(request.prompt_token_ids)
+        self.target = request.decode
+        self.proto_params = request.sampling_params
+        if not self.request_id:
+            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill: request_id is empty")
+        try:
+            self.params: SamplingParams = params_from_proto(request.sampling_params)
+        except ValueError as exc:
+            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
+        if self.params.n != 1:
+            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"Prefill: n={self.params.n}; a prefill carries one sample, the "
+                               "router sends n > 1 as n requests")
+        self.method = request.transfer_method or worker.default_method
+        if self.method not in worker.pushers:
+            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"Prefill: transfer method {METHOD_NAMES.get(self.method, self.method)} "
+                               f"is not enabled on {worker.runtime.worker_id} (started with "
+                               f"--transfer {worker.runtime.args.transfer})")
+        self.peer: DecodePeer | None = None
+        self.reservation: worker_pb2.BlockReservation | None = None
+        self.transfer: RequestTransfer | None = None
+        self.subscribed = self.added = self.handed_off = False
+
+    async def run(self):
+        # max_tokens == 1: the first token ends the request, no decode worker is involved.
+        if self.params.max_tokens != 1:
+            yield worker_pb2.PrefillResponse(request_id=self.request_id,
+                                             reservation=await self._reserve())
+        queue = self.engine.subscribe(self.request_id)
+        self.subscribed = True
+        try:
+            await self.engine.call(lambda core: core.add_request(self.request_id, self.prompt, self.params))
+        except ValueError as exc:
+            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
+        self.added = True
+        ends_request = False
+        while True:
+            output = await self._next_output(queue)
+            if output.finish_reason in ("abort", "error"):
+                raise PrefillAbort(grpc.StatusCode.INTERNAL,
+                                   f"Prefill: the engine ended the request ({output.finish_reason}"
+                                   f"{': ' + output.error if output.error else ''})")
+            if output.new_token_ids:
+                token_id = output.new_token_ids[0]
+                reason, stop_token_id = self._first_token_finish(token_id, output.finish_reason)
+                ends_request = reason is not None
+                first = worker_pb2.FirstToken(
+                    token_id=token_id, finish_reason=finish_to_proto(reason),
+                    num_cached_prompt_tokens=output.num_cached_tokens,
+                    prompt_logprobs=logprobs_list_to_proto(output.prompt_logprobs))
+                if output.new_logprobs:
+                    first.logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[0]))
+                if stop_token_id is not None:
+                    first.stop_token_id = stop_token_id
+                yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
+            if self.transfer is not None and not ends_request:
+                if await self._push(output.num_computed_tokens):
+                    yield self._progress()
+            if output.finished:
+                break
+        if self.transfer is None or ends_request:
+            yield self._progress(done=True)
+            return
+        try:
+            async for _ in self.transfer.wait_all():
+                if not self.transfer.is_done:
+                    yield self._progress()
+        except TransferFailed as exc:
+            self._fail_transfer(exc)
+        self.handed_off = True
+        yield self._progress(done=True)
+
+    async def _reserve(self) -> worker_pb2.BlockReservation:
+        worker = self.worker
+        if not self.target.address:
+            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill: decode.address is empty")
+        self.peer = worker.peers.get(self.target.address)
+        pusher = worker.pushers[self.method]
+        try:
+            remote = await self.peer.remote(self.method, pusher)
+            reply = await self.peer.decode.ReserveBlocks(worker_pb2.ReserveBlocksRequest(
+                request_id=self.request_id, prompt_token_ids=self.prompt,
+                sampling_params=self.proto_params, num_lookahead_tokens=1), timeout=RESERVE_TIMEOUT_S)
+        except KVTransferError as exc:
+            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
+        except grpc.aio.AioRpcError as exc:
+            raise PrefillAbort(exc.code(), f"decode worker {self.target.address}: {exc.details()}",
+                               "decode") from exc
+        self.reservation = reply.reservation
+        deadline = time.monotonic() + LEASE_SAFETY * reply.reservation.lease_ms / 1000
+        try:
+            self.transfer = RequestTransfer(pusher, remote, self.request_id,
+                                            list(reply.reservation.block_ids),
+                                            worker.runtime.core.config.cache.block_size,
+                                            len(self.prompt), deadline)
+        except TransferFailed as exc:
+            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
+        return reply.reservation
+
+    async def _next_output(self, queue: asyncio.Queue):
+        timeout = None if self.transfer is None else self.transfer.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(self.engine.next_output(queue), timeout)
+        except asyncio.TimeoutError:
+            raise PrefillAbort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "Prefill: the prompt was not computed before the decode "
+                               "reservation's lease runs out (prefill worker overloaded?)") from None
+        except EngineDead as exc:
+            raise PrefillAbort(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+
+    async def _push(self, num_computed_tokens: int) -> bool:
+        """Push newly final blocks; True if more blocks were confirmed since the last call."""
+        transfer = self.transfer
+        try:
+            changed = transfer.collect()
+            # Read the live request (a preemption frees blocks and resets its progress).
+            core: EngineCore = self.worker.runtime.core
+            live = core.scheduler.requests.get(self.request_id) or core.scheduler.held.get(self.request_id)
+            if live is None:
+                return changed
+            if live.num_preemptions and transfer.num_blocks_queued:
+                raise TransferFailed("the prefill worker ran out of KV blocks and preempted the "
+                                     "request while its KV was being pushed; retry it")
+            num_computed = min(num_computed_tokens, live.num_computed_tokens)
+            await transfer.push(core.get_block_ids(self.request_id), num_computed)
+            return changed
+        except TransferFailed as exc:
+            self._fail_transfer(exc)
+
+    def _fail_transfer(self, exc: TransferFailed) -> None:
+        self.peer.forget(self.method)
+        log.warning("request %s: %s", self.request_id, exc)
+        raise PrefillAbort(grpc.StatusCode.UNAVAILABLE,
+                           f"Prefill: KV transfer to decode worker {self.target.address} failed: {exc}",
+                           "decode") from exc
+
+    def _progress(self, done: bool = False) -> worker_pb2.PrefillResponse:
+        transfer = self.transfer
+        return worker_pb2.PrefillResponse(request_id=self.request_id, transfer=worker_pb2.TransferProgress(
+            num_blocks_sent=transfer.num_blocks_sent if transfer else 0,
+            num_blocks_total=transfer.num_blocks_total if transfer else 0, done=done))
+
+    def _first_token_finish(self, token_id: int, engine_reason: str | None) -> tuple[str | None, int | None]:
+        """Whether the first token ends the request (not merely the prefill role's stop):
+        the scheduler's stop rules, in its order, for output position 1."""
+        params = self.params
+        if params.min_tokens <= 1:
+            if not params.ignore_eos and token_id in self.worker.runtime.core.model_config.eos_token_ids:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+        if engine_reason == "length":
+            return "length", None
+        return None, None
+
+    async def cleanup(self) -> None:
+        """Free everything this call still holds, in a safe order (see the module docstring)."""
+        if self.subscribed:
+            self.engine.unsubscribe(self.request_id)
+        if self.transfer is not None:
+            await self.transfer.settle(SETTLE_TIMEOUT_S)
+        if self.added:
+            request_id = self.request_id
+            try:
+                await self.engine.call(lambda core: _drop(core, request_id))
+            except EngineDead:
+                pass
+        if self.reservation is not None and not self.handed_off:
+            try:
+                await self.peer.decode.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(
+                    reservation_id=self.reservation.reservation_id), timeout=RELEASE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:  # its lease frees them if it is alive
+                log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
+                            self.target.address, exc.details())
+
+
+def _drop(core: EngineCore, request_id: str) -> None:
+    """Release a finished request's held blocks, or abort it if it still runs."""
+    if request_id in core.scheduler.held:
+        core.release_held(request_id)
+    else:
+        core.abort_request(request_id)

@@ -1,0 +1,106 @@
+"""One request's KV push: prompt blocks go to the decode reservation as soon as they are final.
+
+Prompt block ``i`` of the prefill worker goes to reserved block ``i`` of the decode worker::
+
+    prompt tokens  |0 ........ B-1|B ....... 2B-1|2B .. P-1|
+    final when     computed >= B   computed >= 2B  computed == P (the partial last block)
+
+A full block is final once computed (nothing writes it again); the partial last block is final
+when the whole prompt is computed. Each ``push`` sends the blocks that became final since the
+previous one, in one ``send_blocks`` call, while later chunks still compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from engine.kv_transfer.base import RemoteInfo, TransferHandle, TransferState
+from services.worker.kv import KVPusher
+
+
+class TransferFailed(RuntimeError):
+    """A push failed or did not finish in time; the request cannot be handed to decode."""
+
+
+class RequestTransfer:
+    def __init__(self, pusher: KVPusher, remote: RemoteInfo, request_id: str,
+                 dst_block_ids: Sequence[int], block_size: int, num_prompt_tokens: int,
+                 deadline: float) -> None:
+        num_prompt_blocks = -(-num_prompt_tokens // block_size)
+        if len(dst_block_ids) != num_prompt_blocks:
+            raise TransferFailed(f"the decode worker reserved {len(dst_block_ids)} blocks for a "
+                                 f"{num_prompt_tokens}-token prompt; {num_prompt_blocks} are needed "
+                                 f"(do both workers use block size {block_size}?)")
+        self.pusher = pusher
+        self.remote = remote
+        self.request_id = request_id
+        self.dst_block_ids = list(dst_block_ids)
+        self.block_size = block_size
+        self.num_prompt_tokens = num_prompt_tokens
+        self.deadline = deadline  # time.monotonic(): every push must be confirmed by then
+        self.num_blocks_queued = 0
+        self.num_blocks_sent = 0  # confirmed by the transport
+        self._in_flight: list[asyncio.Future[TransferHandle]] = []
+
+    @property
+    def num_blocks_total(self) -> int:
+        return len(self.dst_block_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_blocks_sent == self.num_blocks_total
+
+    def num_final_blocks(self, num_computed_tokens: int) -> int:
+        if num_computed_tokens >= self.num_prompt_tokens:
+            return self.num_blocks_total
+        return num_computed_tokens // self.block_size
+
+    async def push(self, src_block_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Send the blocks that are final at ``num_computed_tokens``; ``src_block_ids`` is the
+        request's block table on this worker (it must cover them)."""
+        if time.monotonic() > self.deadline:
+            raise TransferFailed(self._late_message())
+        end = min(self.num_final_blocks(num_computed_tokens), len(src_block_ids))
+        if end <= self.num_blocks_queued:
+            return
+        start, self.num_blocks_queued = self.num_blocks_queued, end
+        self._in_flight.append(await self.pusher.send(
+            self.request_id, src_block_ids[start:end], self.remote, self.dst_block_ids[start:end]))
+
+    def collect(self) -> bool:
+        """Account finished pushes; True if more blocks were confirmed. Raises TransferFailed."""
+        confirmed = 0
+        for future in [f for f in self._in_flight if f.done()]:
+            self._in_flight.remove(future)
+            handle = future.result()
+            if handle.state is not TransferState.DONE:
+                raise TransferFailed(f"KV push of {handle.num_blocks} blocks failed: {handle.error}")
+            confirmed += handle.num_blocks
+        self.num_blocks_sent += confirmed
+        return confirmed > 0
+
+    async def wait_all(self) -> AsyncIterator[int]:
+        """Yield ``num_blocks_sent`` each time it grows until every block is confirmed."""
+        while not self.is_done:
+            if not self._in_flight:
+                raise TransferFailed(f"{self.num_blocks_total - self.num_blocks_queued} blocks "
+                                     "were never queued (the prompt was not fully computed)")
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferFailed(self._late_message())
+            await asyncio.wait(self._in_flight, timeout=remaining,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.collect():
+                yield self.num_blocks_sent
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (bounded) until no push is in flight, whatever their outcome: until then the
+        source blocks and the reserved destination blocks must not be reused."""
+        if self._in_flight:
+            await asyncio.wait(self._in_flight, timeout=timeout_s)
+
+    def _late_message(self) -> str:
+        return (f"KV of {self.request_id!r} was not pushed before the decode reservation's "
+                f"lease runs out ({self.num_blocks_sent}/{self.num_blocks_total} blocks confirmed)")

@@ -1,0 +1,8 @@
+"""What the prefill and decode workers share: flags, engine startup, GetStats, KV transfer setup.
+
+    settings.py  flags (each also a PDSERVE_* variable) -> EngineConfig in the worker's role
+    server.py    the skeleton: load -> AsyncEngine -> gRPC server (+ health, GetStats) -> drain
+    stats.py     WorkerService.GetStats
+    kv.py        which KV connectors run, and KVPusher (a KVSender on its own thread)
+    convert.py   protobuf <-> engine dataclasses (torch-free; the router uses it too)
+"""

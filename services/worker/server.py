@@ -1,0 +1,106 @@
+"""The skeleton both workers share: flags -> engine -> AsyncEngine -> gRPC server -> drain.
+
+    runtime = load_runtime(args, Role.PREFILL)      # model, EngineCore in that role
+    asyncio.run(serve(runtime, PrefillWorker(runtime)))
+
+``serve`` starts the engine thread, creates the role's handler (its KV connectors too),
+registers its servicers next to WorkerService (GetStats) and grpc.health.v1, prints one
+``listening <role> <worker_id> <host:port>`` line to stdout, serves until SIGTERM/SIGINT, then
+drains (health NOT_SERVING, in-flight RPCs get ``--drain-grace-s``) and closes the handler.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.config import ConfigError, Role
+from engine.core import EngineCore
+from engine.kv_transfer.base import KVTransferError
+from services.common.async_engine import AsyncEngine
+from services.common.grpc_server import AddServicer, start_grpc_server
+from services.common.pb import worker_pb2_grpc
+from services.worker.kv import transfer_methods
+from services.worker.settings import apply_cpu_settings, engine_config
+from services.worker.stats import WORKER_SERVICE_NAME, WorkerStatsServicer
+
+log = logging.getLogger(__name__)
+STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, OSError)
+
+
+@dataclass
+class WorkerRuntime:
+    args: argparse.Namespace
+    role: Role
+    worker_id: str
+    model_name: str
+    core: EngineCore
+    engine: AsyncEngine
+
+
+class RoleHandler(abc.ABC):
+    """What a role adds to the skeleton: its servicers, and what to open and close."""
+
+    service_names: Sequence[str] = ()
+
+    @abc.abstractmethod
+    async def start(self) -> list[AddServicer]:
+        """Open connectors (on the running loop); return the servicers to register."""
+
+    async def close(self) -> None:
+        """Called after the server stopped."""
+
+
+def configure_logging(role: Role) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {role.value} %(levelname)s %(name)s: %(message)s")
+
+
+def load_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
+    """Pin CPUs, load the model, build the engine in ``role``. Raises STARTUP_ERRORS."""
+    from engine.models.loader import load_model
+
+    apply_cpu_settings(args)
+    config, loaded = engine_config(args, role, load_model(args.model))
+    core = EngineCore(config, loaded)
+    worker_id = args.worker_id or f"{role.value}-{args.port}"
+    return WorkerRuntime(args, role, worker_id, loaded.config.name, core, AsyncEngine(core))
+
+
+async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
+    args = runtime.args
+    runtime.engine.start()
+    try:
+        servicers = await handler.start()
+        stats = WorkerStatsServicer(runtime.core, runtime.worker_id, runtime.role.value,
+                                    transfer_methods(args.transfer))
+        server = await start_grpc_server(
+            [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
+            port=args.port, host=args.host,
+            service_names=[*handler.service_names, WORKER_SERVICE_NAME])
+        log.info("%s worker %s serving on %s (transfer %s, %d KV blocks)", runtime.role.value,
+                 runtime.worker_id, server.address, args.transfer, runtime.core.runner.num_blocks)
+        print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)
+        await server.serve_until_signal(grace_s=args.drain_grace_s)
+    finally:
+        await handler.close()
+        runtime.engine.stop()
+
+
+def run_worker(argv: Sequence[str] | None, parser: argparse.ArgumentParser, role: Role,
+               make_handler: Callable[[WorkerRuntime], RoleHandler]) -> None:
+    """Parse, load and serve; a startup error exits 1 with a one-line reason on stderr."""
+    import asyncio
+
+    args = parser.parse_args(argv)
+    configure_logging(role)
+    try:
+        runtime = load_runtime(args, role)
+        asyncio.run(serve(runtime, make_handler(runtime)))
+    except STARTUP_ERRORS as exc:
+        print(f"pdserve serve {role.value}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
