@@ -136,9 +136,13 @@ class EngineCore:
             self._samples[request_id] = [request_id]
         return block_ids
 
-    def finish_remote_kv(self, request_id: str, first_token_id: int) -> None:
-        """DECODE role: the reserved blocks hold the prompt's KV; decode from ``first_token_id``."""
-        self.scheduler.finish_remote_kv(request_id, first_token_id)
+    def finish_remote_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        """DECODE role: the reserved blocks hold the prompt's KV; decode from ``first_token_id``.
+        Returns the finished output when that token already ends the request (else None)."""
+        output = self.scheduler.finish_remote_kv(request_id, first_token_id)
+        if output is not None:
+            self._forget_sample(output)
+        return output
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.kv_manager.get_block_ids(request_id)
@@ -156,4 +160,5 @@ class EngineCore:
         return self.kv_manager.take_events()
 
     def check_integrity(self) -> None:
-        self.block_pool.check_integrity()
+        """Raise RuntimeError if the block pool or the block tables are inconsistent."""
+        self.kv_manager.check_integrity()

@@ -86,16 +86,20 @@ class Scheduler:
         self.waiting.append(request)
         return self.kv_manager.get_block_ids(request.request_id)
 
-    def finish_remote_kv(self, request_id: str, first_token_id: int) -> None:
+    def finish_remote_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """DECODE: the prompt's KV has landed; ``first_token_id`` was sampled by the prefill
-        worker. The request joins the batch at the next step."""
-        request = self.requests[request_id]
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+        worker. The request joins the batch at the next step, or, when that token already
+        ends it (EOS, a stop token, max_tokens=1), finishes now: the finished output is
+        returned and its blocks are freed."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = request.num_prompt_tokens
         request.output_token_ids.append(first_token_id)
         request.status = RequestStatus.WAITING
         self._update_block_hashes(request)
+        status = self._stop_status(request, first_token_id)
+        return None if status is None else self._finish(request, status)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id in self.held:
