@@ -100,7 +100,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 
 def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, decode_ids, scale, out):
-    """All single-token queries at once: gather their blocks into [B, L, head_dim] per KV head."""
+    """All single-token queries at once: gather their blocks into [B, Hkv, L, head_dim] and
+    attend with two batched matmuls over every (sequence, KV head)."""
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = query.shape[1] // num_kv_heads
     device = query.device
@@ -115,16 +116,13 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, dec
     is_pad = (torch.arange(num_blocks * block_size, device=device)[None, :]
               >= seq_lens.index_select(0, ids)[:, None].long()).unsqueeze(1)
     q = query.index_select(0, rows).float().view(batch, num_kv_heads, group, -1)
-    # whole blocks (all KV heads) are contiguous, so index_select copies them at memcpy speed;
-    # each head is then a strided [B, L, head_dim] view that bmm reads in place
-    length = num_blocks * block_size
-    k = key_cache.index_select(0, blocks.flatten()).float().view(batch, length, num_kv_heads, -1)
-    v = value_cache.index_select(0, blocks.flatten()).float().view(batch, length, num_kv_heads, -1)
-    res = torch.empty_like(q)
-    for h in range(num_kv_heads):
-        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).mul_(scale).masked_fill_(is_pad, float("-inf"))
-        res[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])
-    out.index_copy_(0, rows, res.view(batch, -1, res.shape[-1]).to(out.dtype))
+    # Gather every KV head at once: [B, nblk, block_size, Hkv, D] -> [B, Hkv, L, D]
+    k = key_cache[blocks].float().flatten(1, 2).transpose(1, 2)
+    v = value_cache[blocks].float().flatten(1, 2).transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(2, 3)).mul_(scale)  # [B, Hkv, group, L]
+    scores.masked_fill_(is_pad.unsqueeze(1), float("-inf"))
+    res = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, group, D]
+    out.index_copy_(0, rows, res.reshape(batch, -1, res.shape[-1]).to(out.dtype))
 
 
 def _extend(query, key_cache, value_cache, block_table, seq_len, start, end, scale, out):
