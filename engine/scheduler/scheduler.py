@@ -49,6 +49,8 @@ class Scheduler:
         request and starts from its prompt's blocks."""
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if fork_from is not None and fork_from not in self.requests:
+            raise ValueError(f"cannot fork {request.request_id!r} from unknown request {fork_from!r}")
         self._check_fits(request)
         self._update_block_hashes(request)
         self.requests[request.request_id] = request
@@ -134,6 +136,8 @@ class Scheduler:
             while self.kv_manager.allocate_slots(
                     request.request_id, request.num_computed_tokens + num_new,
                     num_computed_tokens=request.num_computed_tokens) is None:
+                if self.running[-1] is request and self._evict_queued_kv(request):
+                    continue  # rather than preempting itself
                 victim = self.running.pop()
                 budget += self._preempt(victim, out)
                 preempted = True
@@ -156,8 +160,8 @@ class Scheduler:
                 computed_blocks, num_computed = self.kv_manager.get_computed_blocks(
                     request.block_hashes, request.num_tokens)
             num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
-            if self.kv_manager.allocate_slots(request.request_id, num_computed + num_new,
-                                              computed_blocks, num_computed) is None:
+            if not self._allocate_queued(request, num_computed + num_new, computed_blocks,
+                                         num_computed):
                 break
             self.waiting.remove(request)
             if request.num_preemptions == 0:
@@ -171,6 +175,32 @@ class Scheduler:
         self._plan_forks(out)
         out.copy_ops = self.kv_manager.take_copy_ops()
         return out
+
+    def _allocate_queued(self, request: Request, num_total_tokens: int,
+                         computed_blocks: list, num_computed: int) -> bool:
+        """Blocks for a queued request to be admitted. When there are none and nothing runs
+        that would free some, requests queued behind it with landed KV give theirs up."""
+        while self.kv_manager.allocate_slots(request.request_id, num_total_tokens,
+                                              computed_blocks, num_computed) is None:
+            if self.running or not self._evict_queued_kv(request):
+                return False
+        return True
+
+    def _evict_queued_kv(self, keep: Request) -> bool:
+        """Free the blocks of the newest queued request whose KV landed from a prefill worker
+        (it waits for a seat), to be recomputed, so that ``keep`` can go on: otherwise such
+        requests could hold, for ever, the blocks the only runnable request needs. Returns
+        False when there is none."""
+        for request in reversed(self.waiting):
+            if (request is not keep and request.status == RequestStatus.WAITING
+                    and request.num_computed_tokens > 0):
+                self.kv_manager.free(request.request_id)
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _plan_forks(self, out: SchedulerOutput) -> None:
         """n > 1: the samples of a request whose prompt completes this step fork from it (the
