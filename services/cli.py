@@ -21,6 +21,7 @@ COMMANDS = {
     ("serve", "kvstore"): "services.kvstore.__main__",
     ("generate",): "services.router.client",
     ("bench", "engine"): "loadtests.bench_engine",
+    ("bench", "spec"): "loadtests.bench_spec",
 }
 
 USAGE = "usage: pdserve {" + " | ".join(" ".join(k) for k in COMMANDS) + "} [options]"
