@@ -1,0 +1,142 @@
+"""Wiring of the router: backend + tokenizer + the HTTP and gRPC servers, and the drain.
+
+Start order: bind both servers first (health says NOT_SERVING / 503, so a port clash fails
+fast), then start the backend (loading the model in colocated mode), then serve and log one
+``router ready http=HOST:PORT grpc=HOST:PORT`` line. On SIGTERM / SIGINT: health turns
+unhealthy, both servers stop taking requests and let in-flight ones finish for up to
+``drain_grace_s``, then the backend closes. A second signal cancels what is left at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
+from services.router.backend import Backend
+from services.router.colocated import ColocatedBackend, EngineSizing
+from services.router.frontend import Frontend, RouterState
+from services.router.grpc_frontend import (
+    GENERATE_SERVICE_NAME,
+    WORKER_SERVICE_NAME,
+    GenerateServicer,
+    WorkerStatsServicer,
+)
+from services.router.openai_http import HttpServer, start_http_server
+
+log = logging.getLogger("pdserve.router")
+HEALTH_POLL_S = 1.0  # how often the backend's health is mirrored into grpc.health.v1
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    model: str | None = None  # None: the embedded default model
+    max_model_len: int | None = None
+    drain_grace_s: float = 10.0
+
+
+class Router:
+    """The running router; ``start`` then ``serve_until_signal`` (or ``stop``)."""
+
+    def __init__(self, config: RouterConfig, backend: Backend) -> None:
+        self.config = config
+        self.state = RouterState(backend)
+        self.http: HttpServer | None = None
+        self.grpc: GrpcServer | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        config, backend = self.config, self.state.backend
+        servicers = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server,
+                      GenerateServicer(self.state))]
+        names = [GENERATE_SERVICE_NAME]
+        if isinstance(backend, ColocatedBackend):
+            servicers.append((worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+                              WorkerStatsServicer(backend)))
+            names.append(WORKER_SERVICE_NAME)
+        self.grpc = await start_grpc_server(servicers, port=config.grpc_port, host=config.host,
+                                            service_names=names, is_serving=False)
+        self.http = await start_http_server(self.state, config.host, config.http_port,
+                                            config.drain_grace_s)
+        await backend.start()
+        self.state.frontend = await asyncio.to_thread(self._build_frontend)
+        await self.grpc.health.set_serving(await self.state.is_healthy())
+        self._health_task = asyncio.create_task(self._mirror_health())
+        log.info("router ready http=%s grpc=%s model=%s", self.http.address, self.grpc.address,
+                 self.state.frontend.model.name)
+
+    def _build_frontend(self) -> Frontend:
+        backend = self.state.backend
+        if isinstance(backend, ColocatedBackend):  # the engine already loaded both
+            return Frontend(backend.tokenizer, backend, backend.model_info)
+        from engine.models.loader import load_tokenizer
+        from services.router.model_info import read_model_info
+
+        return Frontend(load_tokenizer(self.config.model), backend,
+                        read_model_info(self.config.model, self.config.max_model_len))
+
+    async def _mirror_health(self) -> None:
+        while not self.state.is_draining:
+            is_healthy = await self.state.is_healthy()
+            if is_healthy != self.grpc.health.is_serving:
+                log.warning("backend health changed: %s", "serving" if is_healthy else "not serving")
+                await self.grpc.health.set_serving(is_healthy)
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def stop(self) -> None:
+        """Drain both servers (in-flight requests finish within the grace period), then close
+        the backend."""
+        self.state.is_draining = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+        stops = []
+        if self.grpc is not None:
+            stops.append(self.grpc.stop(self.config.drain_grace_s))
+        if self.http is not None:
+            stops.append(self.http.stop())
+        await asyncio.gather(*stops, return_exceptions=True)
+        await self.state.backend.close()
+
+    async def serve_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        main_task = asyncio.current_task()
+
+        def on_signal() -> None:
+            if stop_requested.is_set():  # second signal: stop waiting for the drain
+                main_task.cancel()
+            stop_requested.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await stop_requested.wait()
+        log.info("router draining (grace %.0fs)", self.config.drain_grace_s)
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.stop()
+        log.info("router stopped")
+
+
+def build_backend(colocated: bool, model: str | None, sizing: EngineSizing,
+                  prefill: list[str], decode: list[str], transfer: str) -> Backend:
+    if colocated:
+        return ColocatedBackend(model, sizing)
+    from services.router.disaggregated import DisaggregatedBackend  # written alongside, lazily
+
+    return DisaggregatedBackend(prefill, decode, transfer=transfer)
+
+
+async def run_router(config: RouterConfig, backend: Backend) -> None:
+    router = Router(config, backend)
+    try:
+        await router.start()
+    except BaseException:
+        await router.stop()
+        raise
+    await router.serve_until_signal()

@@ -1,0 +1,78 @@
+"""``pdserve generate``: one request to a router over gRPC streaming.
+
+    pdserve generate "The capital of France is" --stream --max-tokens 32
+    pdserve generate "Say hi" --chat --temperature 0.7 --seed 1 --address 127.0.0.1:50051
+
+Prints the completion (as it arrives with ``--stream``); the token counts go to stderr. Exits
+1 with the server's status and message when the request fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.common.settings import add_env_argument
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve generate", description=__doc__.split("\n")[0])
+    parser.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    add_env_argument(parser, "--address", default="127.0.0.1:50051", help="router gRPC HOST:PORT")
+    add_env_argument(parser, "--stream", action="store_true", help="print text as it arrives")
+    add_env_argument(parser, "--chat", action="store_true",
+                     help="send the prompt as a user message through the chat template")
+    add_env_argument(parser, "--max-tokens", type=int, default=None,
+                     help="most tokens to generate (default: until the context is full)")
+    add_env_argument(parser, "--temperature", type=float, default=None, help="0 is greedy (default 1)")
+    add_env_argument(parser, "--seed", type=int, default=None, help="request-local sampling seed")
+    add_env_argument(parser, "--timeout", type=float, default=300.0, help="deadline in seconds")
+    return parser.parse_args(argv)
+
+
+def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
+    params = generate_pb2.SamplingParams()
+    if args.max_tokens is not None:
+        params.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        params.temperature = args.temperature
+    if args.seed is not None:
+        params.seed = args.seed
+    if args.chat:
+        chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=args.prompt)])
+        return generate_pb2.GenerateRequest(chat=chat, sampling_params=params)
+    return generate_pb2.GenerateRequest(prompt=args.prompt, sampling_params=params)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        sys.exit(f"error: --max-tokens must be >= 1, got {args.max_tokens}")
+    if args.seed is not None and args.seed < 0:
+        sys.exit(f"error: --seed must be >= 0, got {args.seed}")
+    text: list[str] = []
+    usage, finish = None, ""
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        try:
+            for response in stub.Generate(build_request(args), timeout=args.timeout):
+                if args.stream:
+                    print(response.text, end="", flush=True)
+                text.append(response.text)
+                if response.finish_reason:
+                    finish = generate_pb2.FinishReason.Name(response.finish_reason)
+                if response.HasField("usage"):
+                    usage = response.usage
+        except grpc.RpcError as error:
+            sys.exit(f"\nerror: {error.code().name}: {error.details()}")
+    print("" if args.stream else "".join(text))
+    if usage is not None:
+        print(f"[{finish.removeprefix('FINISH_REASON_').lower()}; prompt {usage.prompt_tokens} "
+              f"tokens, completion {usage.completion_tokens} tokens]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""ColocatedBackend: one EngineCore in this process (COLOCATED role) doing prefill and decode.
+
+The engine runs on its own thread (AsyncEngine); ``generate`` maps its RequestOutputs to
+TokenEvents. Torch and the model code are imported in ``start`` only, so importing this module
+stays cheap for a router that never runs colocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.model_info import ModelInfo
+
+if TYPE_CHECKING:
+    from engine.models.tokenizer import Tokenizer
+    from services.common.async_engine import AsyncEngine
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    """How big the in-process engine is. ``kv_cache_memory`` is in bytes; ``num_kv_blocks``
+    wins over it when given; ``max_model_len`` None keeps the model's context length."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int = 512 * 1024 * 1024
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    device: str = "cpu"
+    # Requests admitted at once (running + queued) before new ones get Overloaded.
+    max_active_requests: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_running_requests: int
+    num_waiting_requests: int
+
+
+class ColocatedBackend(Backend):
+    def __init__(self, model_path: str | None = None, sizing: EngineSizing = EngineSizing()) -> None:
+        self.model_path = model_path
+        self.sizing = sizing
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.model_info: ModelInfo | None = None
+        self._num_active = 0
+
+    async def start(self) -> None:
+        """Load the model and start the engine thread (the load runs off the event loop)."""
+        from services.common.async_engine import AsyncEngine
+
+        core = await asyncio.to_thread(self._build_core)
+        self.engine = AsyncEngine(core)
+        self.engine.start()
+
+    def _build_core(self):
+        from engine.core import EngineCore
+        from engine.models.loader import load_model
+
+        loaded = load_model(self.model_path)
+        sizing = self.sizing
+        if sizing.max_model_len is not None:
+            loaded = dataclasses.replace(loaded, config=dataclasses.replace(
+                loaded.config, max_model_len=sizing.max_model_len))
+        config = EngineConfig(
+            model=loaded.config,
+            cache=CacheConfig(block_size=sizing.block_size, num_blocks=sizing.num_kv_blocks,
+                              memory_budget_bytes=sizing.kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_seqs=sizing.max_num_seqs,
+                                      max_num_batched_tokens=sizing.max_num_batched_tokens,
+                                      role=Role.COLOCATED),
+            device=sizing.device)
+        self.tokenizer = loaded.tokenizer
+        self.model_info = ModelInfo(loaded.config.name, loaded.config.vocab_size,
+                                    loaded.config.max_model_len)
+        return EngineCore(config, loaded)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+
+    async def is_healthy(self) -> bool:
+        return self.engine is not None and self.engine.is_alive
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if self.engine is None or not self.engine.is_alive:
+            raise BackendError("the colocated engine is not running")
+        if self._num_active >= self.sizing.max_active_requests:
+            raise Overloaded(f"{self._num_active} requests in flight (the limit); retry later")
+        self._num_active += 1
+        outputs = self.engine.generate(request_id, prompt_token_ids, params)
+        try:
+            async for output in outputs:
+                yield TokenEvent(
+                    index=output.index, token_ids=output.new_token_ids,
+                    logprobs=output.new_logprobs, prompt_logprobs=output.prompt_logprobs,
+                    finish_reason=output.finish_reason,
+                    stop_token_id=output.stop_reason if isinstance(output.stop_reason, int) else None,
+                    num_prompt_tokens=output.num_prompt_tokens,
+                    num_cached_tokens=output.num_cached_tokens)
+        except (BackendError, Overloaded):
+            raise
+        except RuntimeError as error:  # EngineDead: the engine thread stopped
+            raise BackendError(f"the colocated engine failed: {error}") from error
+        finally:
+            self._num_active -= 1
+            await outputs.aclose()  # aborts the request in the engine if it still runs
+
+    async def stats(self) -> EngineStats:
+        """Block pool and queue sizes, read between two engine steps."""
+        if self.engine is None:
+            raise BackendError("the colocated engine is not running")
+
+        def read(core) -> EngineStats:
+            return EngineStats(core.block_pool.num_free_blocks, core.block_pool.num_blocks,
+                               core.config.cache.block_size, len(core.scheduler.running),
+                               len(core.scheduler.waiting))
+
+        return await self.engine.call(read)

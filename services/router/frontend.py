@@ -1,0 +1,259 @@
+"""The request pipeline both frontends (OpenAI HTTP, gRPC) share.
+
+    frontend = Frontend(tokenizer, backend, model_info)
+    prompt_ids = frontend.tokenize(prompt="Hello")          # or token ids, or chat messages
+    params = frontend.check(prompt_ids, params)             # InvalidRequest naming the problem
+    async with frontend.generate(prompt_ids, params) as generation:   # backend errors raise here
+        async for delta in generation:                      # SampleDelta per sample and event
+            ...
+    generation.usage                                        # final once iteration ended
+
+Tokenization and validation happen once, here; the backend sees token ids only. Each of the
+``n`` samples has its own IncrementalDetokenizer, which holds back text that could start a
+stop string and cuts the text at a match. When every sample has finished (by the backend's
+finish_reason or a stop string) the backend's iterator is closed at once, which aborts the
+request wherever it still holds blocks; leaving the ``async with`` early does the same.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from engine.models.tokenizer import Tokenizer
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from services.router.backend import Backend, BackendError, TokenEvent
+from services.router.model_info import ModelInfo
+
+
+class InvalidRequest(ValueError):
+    """Bad input: maps to HTTP 400 / INVALID_ARGUMENT. ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one sample gained from one backend event. ``text`` may be empty (held back for a
+    possible stop string, or a character still incomplete) while ``token_ids`` is not."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None = None  # [PositionLogprobs], one per token_ids entry
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: str | int | None = None  # the stop string, or the stop token id (None for EOS)
+    prompt_logprobs: list | None = None  # on the first delta of the request, if requested
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0  # over all samples, up to and including what stopped each
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class _Sample:
+    detokenizer: IncrementalDetokenizer
+    is_done: bool = False
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer, backend: Backend, model: ModelInfo) -> None:
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.model = model
+
+    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of exactly one of: text, token ids (checked against the vocabulary), or
+        chat messages rendered with the model's template."""
+        if messages is not None:
+            try:
+                return self.tokenizer.encode_chat(messages, add_generation_prompt)
+            except ValueError as error:
+                raise InvalidRequest(str(error), "messages") from error
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty; give some text or token ids", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if prompt is None:
+            raise InvalidRequest("a prompt is required (text, token ids, or chat messages)", "prompt")
+        vocab_size = self.model.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size}) (the "
+                                 f"vocabulary size), got {bad[:8]}", "prompt")
+        return list(prompt)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Validate the request against the model's limits; returns the params to send (bad
+        words tokenized). Raises InvalidRequest naming the parameter."""
+        max_model_len = self.model.max_model_len
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty; give at least one token", "prompt")
+        if len(prompt_ids) >= max_model_len:
+            raise InvalidRequest(
+                f"prompt is {len(prompt_ids)} tokens, which leaves no room to generate in the "
+                f"model's context length of {max_model_len} tokens; shorten the prompt",
+                "prompt", "context_length_exceeded")
+        try:
+            params.validate(self.model.vocab_size, max_model_len, len(prompt_ids))
+            return params.with_bad_words_tokenized(self.tokenizer.encode)
+        except ValueError as error:
+            message = str(error)
+            raise InvalidRequest(message, _param_of(message)) from error
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> Generation:
+        """A not-yet-started request; ``async with`` starts it (see the module docstring)."""
+        return Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params)
+
+
+class Generation:
+    """One request in flight: an async iterator of SampleDelta and an async context manager.
+
+    ``start()`` (or entering the context) sends the request and waits for its first event, so
+    that bad input (ValueError), Overloaded and BackendError surface before a caller commits
+    to a streamed response. Iteration raises BackendError if the backend fails or ends early.
+    """
+
+    def __init__(self, frontend: Frontend, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_ids
+        self.params = params
+        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.prompt_logprobs: list | None = None
+        self._events = frontend.backend.generate(request_id, prompt_ids, params)
+        self._samples = [_Sample(IncrementalDetokenizer(frontend.tokenizer, prompt_ids, params))
+                         for _ in range(params.n)]
+        self._first_event: TokenEvent | None = None
+        self._ready: deque[SampleDelta] = deque()
+        self._is_closed = False
+        self._has_sent_prompt_logprobs = False
+
+    @property
+    def is_finished(self) -> bool:
+        """Every sample finished and every delta was handed out: usage is final."""
+        return not self._ready and all(sample.is_done for sample in self._samples)
+
+    async def start(self) -> None:
+        try:
+            self._first_event = await anext(self._events)
+        except StopAsyncIteration:
+            raise BackendError(f"request {self.request_id}: the backend returned no tokens") from None
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Close the backend's iterator (aborting the request if it still runs). Idempotent."""
+        if not self._is_closed:
+            self._is_closed = True
+            await self._events.aclose()
+
+    async def __aenter__(self) -> Generation:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> SampleDelta:
+        while not self._ready:
+            if all(sample.is_done for sample in self._samples):
+                await self.aclose()  # a stop string may have ended it before the backend did
+                raise StopAsyncIteration
+            self._apply(await self._next_event())
+        return self._ready.popleft()
+
+    async def _next_event(self) -> TokenEvent:
+        if self._first_event is not None:
+            event, self._first_event = self._first_event, None
+            return event
+        if self._is_closed:
+            raise BackendError(f"request {self.request_id}: read after the request was closed")
+        try:
+            return await anext(self._events)
+        except StopAsyncIteration:
+            raise BackendError(f"request {self.request_id}: the backend's stream ended before "
+                               f"every sample finished") from None
+
+    def _apply(self, event: TokenEvent) -> None:
+        if not 0 <= event.index < len(self._samples):
+            raise BackendError(f"request {self.request_id}: event for sample {event.index} of "
+                               f"{len(self._samples)}")
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
+        self.usage.cached_tokens = max(self.usage.cached_tokens, event.num_cached_tokens)
+        sample = self._samples[event.index]
+        if sample.is_done:
+            return  # a stop string ended this sample; the others are still running
+        if event.finish_reason in ("abort", "error"):
+            raise BackendError(f"request {self.request_id}: sample {event.index} ended with "
+                               f"{event.finish_reason!r} inside the cluster")
+        delta = _advance(sample, event)
+        self.usage.completion_tokens += len(delta.token_ids)
+        if not self._has_sent_prompt_logprobs and self.prompt_logprobs is not None:
+            delta.prompt_logprobs = self.prompt_logprobs
+            self._has_sent_prompt_logprobs = True
+        self._ready.append(delta)
+
+
+def _advance(sample: _Sample, event: TokenEvent) -> SampleDelta:
+    """Feed ``event``'s tokens to the sample's detokenizer one at a time, so that a stop string
+    ending mid-event drops the tokens after it (several arrive at once with speculation)."""
+    detokenizer = sample.detokenizer
+    delta = SampleDelta(event.index, "", [], [] if event.logprobs is not None else None)
+    # finish_reason "stop" from the backend means the last token is EOS or a stop token id.
+    is_stop_token = event.finish_reason == "stop"
+    last = len(event.token_ids) - 1
+    for i, token_id in enumerate(event.token_ids):
+        delta.token_ids.append(token_id)
+        if delta.logprobs is not None and i < len(event.logprobs):
+            delta.logprobs.append(event.logprobs[i])
+        check = detokenizer.update([token_id], stop_terminated=is_stop_token and i == last)
+        if check.is_stopped:
+            delta.finish_reason, delta.stop_reason = "stop", check.stop_str
+            break
+    else:
+        if event.finish_reason is not None:
+            detokenizer.finish()
+            delta.finish_reason, delta.stop_reason = event.finish_reason, event.stop_token_id
+    sample.is_done = delta.finish_reason is not None
+    delta.text = detokenizer.get_delta()
+    return delta
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams.validate starts its messages with the parameter: 'top_p must be ...'."""
+    word = message.split(" ", 1)[0].split("[", 1)[0]
+    return word if word.isidentifier() else None
+
+
+@dataclass
+class RouterState:
+    """What the HTTP and gRPC servers share: ``frontend`` is None until the backend is ready;
+    ``is_draining`` turns true when a stop signal arrives (health then reports unhealthy)."""
+
+    backend: Backend
+    frontend: Frontend | None = None
+    is_draining: bool = False
+
+    async def is_healthy(self) -> bool:
+        return self.frontend is not None and not self.is_draining and await self.backend.is_healthy()

@@ -1,0 +1,156 @@
+"""The router's gRPC frontend: GenerateService.Generate over the shared Frontend pipeline.
+
+Status codes: INVALID_ARGUMENT for bad input (the message names the field), NOT_FOUND for
+an unknown model (as generate.proto documents), RESOURCE_EXHAUSTED when overloaded,
+UNAVAILABLE while starting or draining, INTERNAL when the backend fails mid-request. A
+client's cancel or an expired deadline cancels the handler, which closes the Generation and
+so aborts the request in the backend. In colocated mode the router also serves
+WorkerService.GetStats (block pool and queue sizes of its engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router.backend import BackendError, Overloaded
+from services.router.frontend import Frontend, InvalidRequest, RouterState, SampleDelta
+
+if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
+    from engine.sampling.logprobs import PositionLogprobs
+    from services.router.colocated import ColocatedBackend
+
+log = logging.getLogger(__name__)
+GENERATE_SERVICE_NAME = "pdserve.v1.GenerateService"
+WORKER_SERVICE_NAME = "pdserve.v1.WorkerService"
+
+_FINISH_REASONS = {None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+                   "stop": generate_pb2.FINISH_REASON_STOP,
+                   "length": generate_pb2.FINISH_REASON_LENGTH}
+# Proto fields whose absence means "engine default" (see generate.proto).
+_OPTIONAL_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "seed", "logprobs",
+                    "prompt_logprobs", "skip_special_tokens")
+
+
+def sampling_params_from_proto(proto: generate_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; unset max_tokens means "until the
+    context is full". spaces_between_special_tokens is accepted and ignored (the tokenizer
+    has no such switch)."""
+    kwargs = {name: getattr(proto, name) for name in _OPTIONAL_FIELDS if proto.HasField(name)}
+    return SamplingParams(
+        **kwargs,
+        max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
+        logit_bias=dict(proto.logit_bias) or None,
+        allowed_token_ids=list(proto.allowed_token_ids) or None,
+        bad_words=list(proto.bad_words) or None,
+        min_tokens=proto.min_tokens, stop=list(proto.stop),
+        stop_token_ids=list(proto.stop_token_ids),
+        include_stop_str_in_output=proto.include_stop_str_in_output, ignore_eos=proto.ignore_eos)
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        frontend = self.state.frontend
+        if frontend is None or self.state.is_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting up or shutting down")
+        if request.model and request.model != frontend.model.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} does not exist; "
+                                f"this server serves {frontend.model.name!r}")
+        try:
+            prompt_ids = _tokenize(frontend, request)
+            params = frontend.check(prompt_ids, sampling_params_from_proto(request.sampling_params))
+            generation = frontend.generate(prompt_ids, params)
+            await generation.start()
+        except ValueError as error:  # InvalidRequest, or the backend's verdict
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except Overloaded as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except BackendError as error:
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+
+        request_id = request.request_id or generation.request_id
+        try:
+            async for delta in generation:
+                response = _response(request_id, delta, frontend)
+                if generation.is_finished:
+                    usage = generation.usage
+                    response.usage.CopyFrom(generate_pb2.Usage(
+                        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                        cached_prompt_tokens=usage.cached_tokens))
+                yield response
+        except BackendError as error:
+            log.warning("request %s failed in the backend: %s", request_id, error)
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        finally:  # also on cancel / deadline: abort the request in the backend
+            await generation.aclose()
+
+
+class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """GetStats of the router's own engine (colocated mode only)."""
+
+    def __init__(self, backend: ColocatedBackend) -> None:
+        self.backend = backend
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+        try:
+            stats = await self.backend.stats()
+        except BackendError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        return worker_pb2.WorkerStats(
+            worker_id="router", role="colocated", num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks, block_size=stats.block_size,
+            num_running_requests=stats.num_running_requests,
+            num_waiting_requests=stats.num_waiting_requests)
+
+
+def _tokenize(frontend: Frontend, request: generate_pb2.GenerateRequest) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return frontend.tokenize(prompt=request.prompt)
+    if kind == "prompt_token_ids":
+        return frontend.tokenize(prompt=list(request.prompt_token_ids.ids))
+    if kind == "chat":
+        chat = request.chat
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return frontend.tokenize(messages=messages, add_generation_prompt=add_generation_prompt)
+    raise InvalidRequest("one of prompt, prompt_token_ids or chat is required", "input")
+
+
+def _response(request_id: str, delta: SampleDelta, frontend: Frontend) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(
+        request_id=request_id, index=delta.index, text=delta.text, token_ids=delta.token_ids,
+        finish_reason=_FINISH_REASONS[delta.finish_reason])
+    if delta.logprobs:
+        response.logprobs.extend(_logprobs_proto(entry, frontend) for entry in delta.logprobs)
+    if delta.prompt_logprobs:
+        # Position 0 has no logprobs (nothing predicts it): an empty entry keeps positions aligned.
+        response.prompt_logprobs.extend(
+            generate_pb2.PositionLogprobs() if entry is None else _logprobs_proto(entry, frontend)
+            for entry in delta.prompt_logprobs)
+    if isinstance(delta.stop_reason, str):
+        response.stop_str = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        response.stop_token_id = delta.stop_reason
+    return response
+
+
+def _logprobs_proto(entry: PositionLogprobs, frontend: Frontend) -> generate_pb2.PositionLogprobs:
+    def token(token_id: int, logprob: float, rank: int) -> generate_pb2.TokenLogprob:
+        text = frontend.tokenizer.decode([token_id], skip_special_tokens=False)
+        return generate_pb2.TokenLogprob(token_id=token_id, logprob=logprob, rank=rank, token=text)
+
+    return generate_pb2.PositionLogprobs(
+        sampled=token(entry.token_id, entry.logprob, entry.rank),
+        top=[token(token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(entry.top, 1)])

@@ -1,0 +1,183 @@
+"""The OpenAI-compatible HTTP server (aiohttp).
+
+    POST /v1/completions        POST /v1/chat/completions     (SSE with "stream": true)
+    GET  /v1/models             GET  /health                  (200 healthy, 503 otherwise)
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+input, 503 when overloaded or not ready, 500 when the backend fails. Once a stream has started
+a failure is sent as an ``error`` event followed by ``data: [DONE]``. A client that disconnects
+cancels its handler (``handler_cancellation``), which closes the request's Generation and so
+aborts it in the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from services.router.backend import BackendError, Overloaded
+from services.router.frontend import Frontend, Generation, InvalidRequest, RouterState
+from services.router.openai_protocol import (
+    OpenAIRequest,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from services.router.openai_responses import ResponseRenderer, dumps
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 32 * 1024 * 1024
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class HttpServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop listening, wait for in-flight handlers up to the runner's shutdown timeout."""
+        await self.runner.cleanup()
+
+
+async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: int = 0,
+                            drain_grace_s: float = 10.0) -> HttpServer:
+    """Bind ``host:port`` (0: any free port, see ``.port``) and serve. OSError if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot bind HTTP server to {host}:{port} ({error}); is the port in use?") from error
+    runner = web.AppRunner(build_app(state), handler_cancellation=True,
+                           shutdown_timeout=drain_grace_s, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return HttpServer(runner, host, sock.getsockname()[1])
+
+
+def build_app(state: RouterState) -> web.Application:
+    handlers = _Handlers(state)
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/health", handlers.health)
+    return app
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           error_type: str = "invalid_request_error") -> web.Response:
+    return web.json_response(error_body(message, param, code, error_type), status=status, dumps=dumps)
+
+
+@web.middleware
+async def _errors(request: web.Request,
+                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Exceptions raised before a response started -> OpenAI-shaped error responses."""
+    try:
+        return await handler(request)
+    except InvalidRequest as error:
+        return _error(400, error.message, error.param, error.code)
+    except ValueError as error:  # the backend's verdict on bad input
+        return _error(400, str(error))
+    except Overloaded as error:
+        return _error(503, str(error), code="overloaded", error_type="server_overloaded")
+    except BackendError as error:
+        log.warning("request failed in the backend: %s", error)
+        return _error(500, str(error), error_type="internal_server_error")
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return _error(error.status, f"{error.reason}: {request.method} {request.path}",
+                      code=error.reason.lower().replace(" ", "_"))
+    except Exception as error:  # noqa: BLE001 - a bug; the client still gets JSON
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(500, f"internal error: {error!r}", error_type="internal_server_error")
+
+
+class _Handlers:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def health(self, request: web.Request) -> web.Response:
+        if await self.state.is_healthy():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self._frontend().model
+        return web.json_response({"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": model.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion_request)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat_request)
+
+    def _frontend(self) -> Frontend:
+        frontend = self.state.frontend
+        if frontend is None or self.state.is_draining:
+            raise Overloaded("the router is not serving (starting up or shutting down)")
+        return frontend
+
+    async def _generate(self, request: web.Request,
+                        parse: Callable[[dict[str, Any]], OpenAIRequest]) -> web.StreamResponse:
+        frontend = self._frontend()
+        api = parse(parse_json_body(await request.read()))
+        if api.model is not None and api.model != frontend.model.name:
+            raise InvalidRequest(f"model {api.model!r} does not exist; this server serves "
+                                 f"{frontend.model.name!r}", "model", "model_not_found")
+        prompt_ids = frontend.tokenize(api.prompt, api.messages, api.add_generation_prompt)
+        params = frontend.check(prompt_ids, api.params)
+        async with frontend.generate(prompt_ids, params) as generation:
+            render = ResponseRenderer(api, frontend, generation)
+            if api.stream:
+                return await _stream(request, api, generation, render)
+            async for delta in generation:
+                render.add(delta)
+            return web.json_response(render.response(), dumps=dumps)
+
+
+async def _stream(request: web.Request, api: OpenAIRequest, generation: Generation,
+                  render: ResponseRenderer) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+
+    async def send(data: dict[str, Any]) -> None:
+        await response.write(f"data: {dumps(data)}\n\n".encode())
+
+    try:
+        try:
+            for chunk in render.opening_chunks():
+                await send(chunk)
+            async for delta in generation:
+                chunk = render.chunk(delta)
+                if chunk is not None:
+                    await send(chunk)
+            if api.include_usage:
+                await send(render.usage_chunk())
+        except (BackendError, Overloaded, ValueError) as error:
+            log.warning("stream %s failed: %s", generation.request_id, error)
+            await send(error_body(str(error), error_type="internal_server_error"))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        log.info("client left stream %s; aborting it", generation.request_id)
+    return response

@@ -1,0 +1,161 @@
+"""OpenAI's response bodies: whole responses, SSE chunks, usage and logprobs (pure, no I/O).
+
+vLLM's extensions ride along: ``stop_reason`` in every choice, and ``token_ids`` /
+``prompt_token_ids`` when the request set ``return_token_ids``. Logprobs of impossible tokens
+(-inf) are sent as -9999.0, since JSON has no infinities.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from services.router.frontend import Frontend, Generation, SampleDelta, Usage
+from services.router.openai_protocol import OpenAIRequest
+
+if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
+    from engine.sampling.logprobs import PositionLogprobs
+
+NEG_INF_LOGPROB = -9999.0
+dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class ResponseRenderer:
+    """Builds one request's response bodies (streamed chunks or the whole response)."""
+
+    def __init__(self, api: OpenAIRequest, frontend: Frontend, generation: Generation) -> None:
+        self.api = api
+        self.generation = generation
+        self.model = frontend.model.name
+        self.created = int(time.time())
+        prefix = "chatcmpl-" if api.is_chat else "cmpl-"
+        self.id = prefix + generation.request_id
+        self.object = "chat.completion" if api.is_chat else "text_completion"
+        decode = frontend.tokenizer.decode
+        self.token_text = functools.lru_cache(maxsize=4096)(
+            lambda token_id: decode([token_id], skip_special_tokens=False))
+        n = generation.params.n
+        self.texts = [""] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finish: list[tuple[str | None, str | int | None]] = [(None, None)] * n
+        self.text_offsets = [0] * n  # completions logprobs: where the next token's text starts
+        self.has_sent_prompt_ids = False
+
+    def add(self, delta: SampleDelta) -> None:
+        i = delta.index
+        self.texts[i] += delta.text
+        self.token_ids[i] += delta.token_ids
+        self.logprobs[i] += delta.logprobs or []
+        if delta.finish_reason is not None:
+            self.finish[i] = (delta.finish_reason, delta.stop_reason)
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for i, text in enumerate(self.texts):
+            finish_reason, stop_reason = self.finish[i]
+            choice: dict[str, Any] = {"index": i}
+            if self.api.is_chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs(i, self.logprobs[i])
+            choice |= {"finish_reason": finish_reason, "stop_reason": stop_reason}
+            if self.api.return_token_ids:
+                choice |= {"prompt_token_ids": self.generation.prompt_token_ids,
+                           "token_ids": self.token_ids[i]}
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_json(self.generation.usage)}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        if not self.api.is_chat:
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                for i in range(self.generation.params.n)]
+
+    def chunk(self, delta: SampleDelta) -> dict[str, Any] | None:
+        """The chunk for ``delta``, or None when it carries nothing the client asked for."""
+        wants_tokens = delta.logprobs or self.api.return_token_ids
+        if not delta.text and delta.finish_reason is None and not wants_tokens:
+            return None
+        choice: dict[str, Any] = {"index": delta.index}
+        if self.api.is_chat:
+            choice["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self._logprobs(delta.index, delta.logprobs or [])
+        choice |= {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self.api.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+            if not self.has_sent_prompt_ids:
+                choice["prompt_token_ids"] = self.generation.prompt_token_ids
+                self.has_sent_prompt_ids = True
+        return self._chunk(choice)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._chunk(None), "usage": usage_json(self.generation.usage)}
+
+    def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.object + ".chunk" if self.api.is_chat else self.object,
+                 "created": self.created, "model": self.model,
+                 "choices": [] if choice is None else [choice]}
+        if self.api.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
+        if self.generation.params.logprobs is None:
+            return None
+        if self.api.is_chat:
+            return chat_logprobs_json(entries, self.token_text)
+        body = completion_logprobs_json(entries, self.token_text, self.text_offsets[index])
+        self.text_offsets[index] += sum(len(token) for token in body["tokens"])
+        return body
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def json_logprob(value: float) -> float:
+    """-inf (an impossible token) and NaN have no JSON spelling."""
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+def completion_logprobs_json(entries: list[PositionLogprobs], token_text: Callable[[int], str],
+                             text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape; each top dict includes the sampled token, as vLLM's does.
+    ``text_offset`` is where the first token's text starts in the completion."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        token = token_text(entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(json_logprob(entry.logprob))
+        top = {token_text(token_id): json_logprob(lp) for token_id, lp in entry.top}
+        top.setdefault(token, json_logprob(entry.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs_json(entries: list[PositionLogprobs],
+                       token_text: Callable[[int], str]) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        token = token_text(token_id)
+        return {"token": token, "logprob": json_logprob(logprob),
+                "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**item(entry.token_id, entry.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in entry.top]}
+                        for entry in entries]}

@@ -1,0 +1,202 @@
+"""The router's request pipeline (services/router/frontend.py) and its HTTP error paths over a
+scripted backend.
+
+One token per character (id = index in ALPHABET) keeps stop-string positions obvious. The
+fake backend records whether its iterator was closed before its last event was read, which is
+how the frontend aborts a request. (Once every sample has finished the frontend closes the
+iterator without waiting for it to end: a backend must treat that close as a no-op.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from engine.sampling_params import SamplingParams
+from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.frontend import Frontend, InvalidRequest, RouterState
+from services.router.model_info import ModelInfo
+from services.router.openai_http import build_app
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .!"
+EOS = len(ALPHABET)  # decodes to nothing
+
+
+def ids(text: str) -> list[int]:
+    return [ALPHABET.index(c) for c in text]
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return ids(text)
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(ALPHABET[t] for t in token_ids if t < len(ALPHABET))
+
+
+class ScriptedBackend(Backend):
+    def __init__(self, events: list[TokenEvent], error: Exception | None = None,
+                 then_raise: Exception | None = None) -> None:
+        self.events = events
+        self.error = error  # raised before any event
+        self.then_raise = then_raise  # raised after the events
+        self.num_sent = 0
+        self.is_closed = False
+
+    @property
+    def was_aborted(self) -> bool:
+        """Closed before every scripted event was read."""
+        return self.is_closed and self.num_sent < len(self.events)
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        if self.error is not None:
+            raise self.error
+        try:
+            for event in self.events:
+                self.num_sent += 1
+                yield event
+            if self.then_raise is not None:
+                raise self.then_raise
+        finally:
+            self.is_closed = True
+
+    async def is_healthy(self) -> bool:
+        return True
+
+
+def run(events, params, prompt="ab", error=None):
+    backend = ScriptedBackend(events, error)
+    frontend = Frontend(CharTokenizer(), backend, ModelInfo("m", len(ALPHABET) + 1, 64))
+
+    async def collect():
+        prompt_ids = frontend.tokenize(prompt=prompt)
+        async with frontend.generate(prompt_ids, frontend.check(prompt_ids, params)) as generation:
+            return [delta async for delta in generation], generation
+
+    deltas, generation = asyncio.run(collect())
+    return deltas, generation, backend
+
+
+def test_stop_string_mid_event_cuts_text_drops_later_tokens_and_aborts():
+    events = [TokenEvent(0, ids("hel")), TokenEvent(0, ids("lo wor")),
+              TokenEvent(0, ids("ld"), finish_reason="length")]
+    deltas, generation, backend = run(events, SamplingParams(stop=["o w"], max_tokens=20))
+    assert "".join(d.text for d in deltas) == "hell"
+    assert all("o" not in d.text for d in deltas)  # held back until the match was decided
+    last = deltas[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", "o w")
+    assert [t for d in deltas for t in d.token_ids] == ids("hello w")  # up to the matching token
+    assert generation.usage.completion_tokens == 7 and generation.usage.prompt_tokens == 2
+    assert backend.num_sent == 2 and backend.was_aborted
+
+
+def test_include_stop_str_in_output():
+    events = [TokenEvent(0, ids("go. now"), finish_reason="length")]
+    deltas, _, _ = run(events, SamplingParams(stop=["."], include_stop_str_in_output=True))
+    assert "".join(d.text for d in deltas) == "go."
+
+
+def test_eos_is_counted_but_not_decoded():
+    events = [TokenEvent(0, ids("hi")), TokenEvent(0, [EOS], finish_reason="stop", num_cached_tokens=16)]
+    deltas, generation, backend = run(events, SamplingParams())
+    assert "".join(d.text for d in deltas) == "hi"
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", None)
+    assert generation.usage.completion_tokens == 3 and generation.usage.cached_tokens == 16
+    assert backend.is_closed and not backend.was_aborted and generation.is_finished
+
+
+def test_stop_token_id_is_the_stop_reason():
+    events = [TokenEvent(0, ids("ok!"), finish_reason="stop", stop_token_id=ids("!")[0])]
+    deltas, _, _ = run(events, SamplingParams(stop_token_ids=ids("!")))
+    assert "".join(d.text for d in deltas) == "ok"
+    assert deltas[-1].stop_reason == ids("!")[0]
+
+
+def test_parallel_samples_stop_independently():
+    events = [TokenEvent(0, ids("ab")), TokenEvent(1, ids("cd")),
+              TokenEvent(0, ids("x")),  # sample 0 hits the stop string "x"
+              TokenEvent(0, ids("yy")),  # still generated by the backend: dropped
+              TokenEvent(1, ids("ef"), finish_reason="length"),
+              TokenEvent(0, ids("zz"))]  # never read: the request is aborted
+    deltas, generation, backend = run(events, SamplingParams(n=2, stop=["x"], max_tokens=9))
+    text = {i: "".join(d.text for d in deltas if d.index == i) for i in (0, 1)}
+    assert text == {0: "ab", 1: "cdef"}
+    assert generation.usage.completion_tokens == 3 + 4
+    assert backend.num_sent == 5 and backend.was_aborted
+
+
+def test_backend_failures_become_backend_errors():
+    with pytest.raises(BackendError, match="error"):
+        run([TokenEvent(0, ids("a")), TokenEvent(0, [], finish_reason="error")], SamplingParams())
+    with pytest.raises(BackendError, match="ended before"):
+        run([TokenEvent(0, ids("a"))], SamplingParams())
+    with pytest.raises(ValueError, match="too big"):  # surfaces from start(), before any event
+        run([], SamplingParams(), error=ValueError("too big"))
+
+
+def test_check_names_the_problem():
+    frontend = Frontend(CharTokenizer(), ScriptedBackend([]), ModelInfo("m", 30, 8))
+    with pytest.raises(InvalidRequest, match="context length of 8") as info:
+        frontend.check(ids("abcdefgh"), SamplingParams())
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequest, match="exceeds the model's context length"):
+        frontend.check(ids("abc"), SamplingParams(max_tokens=6))
+    with pytest.raises(InvalidRequest) as info:
+        frontend.check(ids("abc"), SamplingParams(top_p=2.0, max_tokens=1))
+    assert info.value.param == "top_p"
+    with pytest.raises(InvalidRequest, match=r"\[0, 30\)") as info:
+        frontend.tokenize(prompt=[1, 30])
+    assert info.value.param == "prompt"
+
+
+def http_scenario(backend: Backend, requests: list[tuple[str, str, dict | None]], ready: bool = True):
+    """Send ``(method, path, body)`` requests to the HTTP app over loopback; returns (status,
+    body text) per request."""
+    state = RouterState(backend)
+    if ready:
+        state.frontend = Frontend(CharTokenizer(), backend, ModelInfo("m", len(ALPHABET) + 1, 64))
+
+    async def scenario():
+        async with TestClient(TestServer(build_app(state), host="127.0.0.1")) as client:
+            replies = []
+            for method, path, body in requests:
+                response = await client.request(method, path, json=body)
+                replies.append((response.status, await response.text()))
+            return replies
+
+    return asyncio.run(scenario())
+
+
+def sse_events(text: str) -> list:
+    data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+def test_http_overloaded_is_503_and_backend_failure_is_500():
+    body = {"prompt": "ab", "max_tokens": 4}
+    [(status, text)] = http_scenario(ScriptedBackend([], error=Overloaded("all full")),
+                                     [("POST", "/v1/completions", body)])
+    assert status == 503 and json.loads(text)["error"]["message"] == "all full"
+    [(status, text)] = http_scenario(ScriptedBackend([], error=BackendError("worker died")),
+                                     [("POST", "/v1/completions", body)])
+    assert status == 500 and json.loads(text)["error"]["type"] == "internal_server_error"
+
+
+def test_http_failure_mid_stream_sends_an_error_event_then_done():
+    backend = ScriptedBackend([TokenEvent(0, ids("hi"))], then_raise=BackendError("decode worker died"))
+    [(status, text)] = http_scenario(backend, [("POST", "/v1/completions",
+                                                {"prompt": "ab", "max_tokens": 4, "stream": True})])
+    events = sse_events(text)
+    assert status == 200 and events[0]["choices"][0]["text"] == "hi"
+    assert "decode worker died" in events[1]["error"]["message"] and events[2:] == ["[DONE]"]
+
+
+def test_http_health_follows_readiness():
+    assert http_scenario(ScriptedBackend([]), [("GET", "/health", None)], ready=False)[0][0] == 503
+    assert http_scenario(ScriptedBackend([]), [("GET", "/health", None)])[0][0] == 200
+    [(status, text)] = http_scenario(ScriptedBackend([]), [("POST", "/v1/completions", {"prompt": "a"})],
+                                     ready=False)
+    assert status == 503 and "not serving" in json.loads(text)["error"]["message"]
