@@ -56,7 +56,7 @@ class EngineCore:
         self.scheduler.add_request(requests[0])
         for request in requests[1:]:
             self.scheduler.add_request(request, fork_from=requests[0].request_id)
-        self._samples[request_id] = sample_ids
+        self._samples[request_id] = list(sample_ids)  # the caller keeps its own list
         return sample_ids
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
