@@ -22,6 +22,7 @@ COMMANDS = {
     ("generate",): "services.router.client",
     ("bench", "engine"): "loadtests.bench_engine",
     ("bench", "spec"): "loadtests.bench_spec",
+    ("bench", "kv"): "loadtests.bench_kv_transfer",
 }
 
 USAGE = "usage: pdserve {" + " | ".join(" ".join(k) for k in COMMANDS) + "} [options]"
