@@ -9,7 +9,7 @@ Who frees a reservation's blocks: the engine, once the Decode call handed the re
 (a client cancel aborts it); before that ReleaseBlocks, the lease, or — for a Decode call that
 ended while KV was still arriving — the end of the writes (see reservations.py).
 Landing is detected here, on the event loop, by draining every receiver's notifications
-(NIXL and gRPC) about once a millisecond while some reservation still waits for KV.
+(NIXL and gRPC) every 2 ms while some reservation still waits for KV.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from services.worker.server import RoleHandler, WorkerRuntime
 log = logging.getLogger(__name__)
 DECODE_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 PUSH_DRAIN_TIMEOUT_S = 10.0  # a release waits this long for gRPC pushes in progress
-BUSY_POLL_S, IDLE_POLL_S = 0.001, 0.02
+BUSY_POLL_S, IDLE_POLL_S = 0.002, 0.02  # notification polling, with / without KV expected
 
 
 class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
@@ -131,7 +131,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                     f"prompt followed by exactly one token (the first token), and "
                     f"num_prompt_tokens must match; got {len(request.token_ids)} tokens, "
                     f"num_prompt_tokens={request.num_prompt_tokens}")
+            claimed_at = time.monotonic()
             await self._wait_landed(reservation, context)
+            log.debug("request %s: KV landed %.3f s after the Decode call arrived", request_id,
+                      time.monotonic() - claimed_at)
             self.reservations.pop(request_id)  # consumed: the engine request owns the blocks now
             handed_over = True
             queue = self.engine.subscribe(request_id)

@@ -127,6 +127,7 @@ class _PrefillJob:
         self.subscribed = self.added = self.handed_off = False
 
     async def run(self):
+        started = time.monotonic()
         # max_tokens == 1: the first token ends the request, no decode worker is involved.
         if self.params.max_tokens != 1:
             yield worker_pb2.PrefillResponse(request_id=self.request_id,
@@ -157,6 +158,7 @@ class _PrefillJob:
                     first.logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[0]))
                 if stop_token_id is not None:
                     first.stop_token_id = stop_token_id
+                first_token_at = time.monotonic()
                 yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
             if self.transfer is not None and not ends_request:
                 if await self._push(output.num_computed_tokens):
@@ -173,6 +175,10 @@ class _PrefillJob:
         except TransferFailed as exc:
             self._fail_transfer(exc)
         self.handed_off = True
+        log.debug("request %s: %d prompt tokens, first token after %.3f s, %d blocks pushed "
+                  "(%s) %.3f s later", self.request_id, len(self.prompt), first_token_at - started,
+                  self.transfer.num_blocks_total, METHOD_NAMES[self.method],
+                  time.monotonic() - first_token_at)
         yield self._progress(done=True)
 
     async def _reserve(self) -> worker_pb2.BlockReservation:

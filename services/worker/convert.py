@@ -4,6 +4,10 @@ Torch-free: the router imports it too. ``None`` and "unset" line up with generat
 ``optional`` fields: an unset ``max_tokens`` is ``None`` (until the context is full), an unset
 ``n`` is 1, and so on; an empty ``allowed_token_ids`` / ``bad_words`` is ``None``.
 
+Floats travel as proto ``float`` (32 bits). They are read back as the shortest decimal that
+rounds to the same float32 — the number the user wrote (0.1 stays 0.1, not 0.10000000149) —
+so a worker samples exactly as an offline engine given the same parameters.
+
 Logprobs: a :class:`PositionLogprobs` becomes ``PositionLogprobs{sampled, top}`` with ranks
 1.. for the top entries; a ``None`` entry (prompt position 0, which nothing predicts) is sent
 as an empty message (no ``sampled``) and read back as ``None``.
@@ -11,6 +15,7 @@ as an empty message (no ``sampled``) and read back as ``None``.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,6 +42,19 @@ _FINISH_FROM_PROTO = {
 # optional scalar fields whose names match SamplingParams
 _OPTIONAL_SCALARS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "skip_special_tokens")
+_FLOATS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty"}
+_FLOAT32 = struct.Struct("<f")
+
+
+def shortest_float32(value: float) -> float:
+    """The shortest decimal (as a Python float) that rounds to the same float32 as ``value``."""
+    target = _FLOAT32.pack(value)
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        candidate = float(f"{value:.{digits}g}")
+        if _FLOAT32.pack(candidate) == target:
+            return candidate
+    return value
 
 
 def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
@@ -75,13 +93,14 @@ def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
         "stop_token_ids": list(msg.stop_token_ids),
         "include_stop_str_in_output": msg.include_stop_str_in_output,
         "ignore_eos": msg.ignore_eos,
-        "logit_bias": dict(msg.logit_bias) or None,
+        "logit_bias": {k: shortest_float32(v) for k, v in msg.logit_bias.items()} or None,
         "allowed_token_ids": list(msg.allowed_token_ids) or None,
         "bad_words": list(msg.bad_words) or None,
     }
     for name in (*_OPTIONAL_SCALARS, "seed", "logprobs", "prompt_logprobs"):
         if msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
+            value = getattr(msg, name)
+            kwargs[name] = shortest_float32(value) if name in _FLOATS else value
     return SamplingParams(**kwargs)
 
 

@@ -8,17 +8,18 @@ Which connectors a worker runs (``--transfer``):
     grpc: gRPC only, on both sides.
 
 A ``KVSender`` must be called from one thread. :class:`KVPusher` gives it a thread of its
-own: connectors are created, registered, connected, sent on and polled there, and one
-asyncio task polls every in-flight transfer and resolves its future. The engine thread is
-never blocked by a transfer, and a transfer never waits for an engine step.
+own: the connector is created, registered, connected, sent on and polled there, and each
+transfer's asyncio future is resolved when the poll sees it end. The engine thread is never
+blocked by a transfer, and a transfer never waits for an engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 NIXL = worker_pb2.KV_TRANSFER_METHOD_NIXL
 GRPC = worker_pb2.KV_TRANSFER_METHOD_GRPC
 METHOD_NAMES = {NIXL: "nixl", GRPC: "grpc"}
-POLL_INTERVAL_S = 0.001
+POLL_INTERVAL_S = 0.001  # between polls while transfers are in flight
 
 
 def transfer_methods(transfer: str) -> list[int]:
@@ -69,85 +70,117 @@ def sender_factories(transfer: str, model_name: str) -> dict[int, Callable[[], K
 
 
 class KVPusher:
-    """A KVSender on its own thread; ``send`` returns a future resolved when the transfer ends."""
+    """A KVSender on its own thread; ``send`` returns a future resolved when the transfer ends.
 
-    def __init__(self, sender: KVSender, executor: ThreadPoolExecutor) -> None:
-        self.sender = sender
-        self._executor = executor
+    The thread runs commands (create, connect, send) in order and, while transfers are in
+    flight, polls them about every ``POLL_INTERVAL_S``; results go back to the event loop
+    with ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, tuple[TransferHandle, asyncio.Future[TransferHandle]]] = {}
-        self._wake = asyncio.Event()
-        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+        self.sender: KVSender | None = None
+        self._handshake: KVHandshake | None = None  # taken on the sender thread
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
 
     @classmethod
     async def create(cls, factory: Callable[[], KVSender], kv_cache: torch.Tensor) -> KVPusher:
         """Create and register the sender on a fresh thread. Raises KVTransferError."""
-        executor = ThreadPoolExecutor(1, thread_name_prefix="kv-sender")
+        pusher = cls(asyncio.get_running_loop())
 
         def build() -> KVSender:
             sender = factory()
             sender.register(kv_cache)
+            pusher.sender, pusher._handshake = sender, sender.handshake_info()
             return sender
 
         try:
-            sender = await asyncio.get_running_loop().run_in_executor(executor, build)
+            await pusher._call(build)
         except BaseException:
-            executor.shutdown(wait=False)
+            pusher._commands.put(None)
             raise
-        return cls(sender, executor)
+        return pusher
 
     def handshake_info(self) -> KVHandshake:
-        return self.sender.handshake_info()
+        return self._handshake
 
     async def connect(self, remote: KVHandshake, address: str) -> RemoteInfo:
-        return await self._run(self.sender.connect, remote, address)
+        return await self._call(self.sender.connect, remote, address)
 
     async def send(self, request_id: str, src_block_ids: Sequence[int], remote: RemoteInfo,
                    dst_block_ids: Sequence[int]) -> asyncio.Future[TransferHandle]:
         """Start a transfer (KVTransferError for bad ids); the future gets the finished handle
         (state DONE or FAILED). The source blocks must stay allocated until it resolves."""
-        handle = await self._run(self.sender.send_blocks, request_id, list(src_block_ids),
-                                 remote, list(dst_block_ids))
-        future: asyncio.Future[TransferHandle] = asyncio.get_running_loop().create_future()
-        if handle.state is not TransferState.IN_PROGRESS:
-            future.set_result(handle)
-        else:
-            self._pending[handle.transfer_id] = (handle, future)
-            self._wake.set()
-        return future
+        done: asyncio.Future[TransferHandle] = self._loop.create_future()
+
+        def start() -> None:
+            handle = self.sender.send_blocks(request_id, list(src_block_ids), remote,
+                                             list(dst_block_ids))
+            if handle.state is TransferState.IN_PROGRESS:
+                self._pending[handle.transfer_id] = (handle, done)
+            else:
+                self._loop.call_soon_threadsafe(_resolve, done, handle)
+
+        await self._call(start)
+        return done
 
     async def close(self) -> None:
-        self._poller.cancel()
-        for handle, future in self._pending.values():
+        await self._call(self._close)
+        self._commands.put(None)
+
+    def _close(self) -> None:
+        for handle, done in self._pending.values():
             handle.state, handle.error = TransferState.FAILED, "the sender was closed"
-            if not future.done():
-                future.set_result(handle)
+            self._loop.call_soon_threadsafe(_resolve, done, handle)
         self._pending.clear()
-        try:
-            await self._run(self.sender.close)
-        finally:
-            self._executor.shutdown(wait=False)
+        if self.sender is not None:
+            self.sender.close()
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _call(self, fn, *args):
+        """Run ``fn(*args)`` on the sender thread; its result or exception comes back here."""
+        result: asyncio.Future = self._loop.create_future()
+        self._commands.put((fn, args, result))
+        return await result
 
-    def _poll_all(self, handles: list[TransferHandle]) -> list[TransferHandle]:
-        return [h for h in handles if self.sender.poll(h) is not TransferState.IN_PROGRESS]
-
-    async def _poll_loop(self) -> None:
+    def _run(self) -> None:
         while True:
-            if not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
-            handles = [handle for handle, _ in self._pending.values()]
             try:
-                finished = await self._run(self._poll_all, handles)
-            except Exception as exc:  # noqa: BLE001 - a broken transport fails its transfers
-                log.exception("polling KV transfers failed")
-                for handle in handles:
-                    handle.state, handle.error = TransferState.FAILED, f"poll failed: {exc!r}"
-                finished = handles
-            for handle in finished:
-                _, future = self._pending.pop(handle.transfer_id, (None, None))
-                if future is not None and not future.done():
-                    future.set_result(handle)
-            await asyncio.sleep(POLL_INTERVAL_S)
+                command = self._commands.get(timeout=POLL_INTERVAL_S if self._pending else None)
+            except queue.Empty:
+                command = ()
+            if command is None:
+                return
+            if command:
+                fn, args, result = command
+                try:
+                    value = fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    self._loop.call_soon_threadsafe(_fail, result, exc)
+                else:
+                    self._loop.call_soon_threadsafe(_resolve, result, value)
+            self._poll()
+
+    def _poll(self) -> None:
+        for transfer_id, (handle, done) in list(self._pending.items()):
+            try:
+                state = self.sender.poll(handle)
+            except Exception as exc:  # noqa: BLE001 - a broken transport fails the transfer
+                log.exception("polling a KV transfer failed")
+                handle.state, handle.error = TransferState.FAILED, f"poll failed: {exc!r}"
+                state = TransferState.FAILED
+            if state is not TransferState.IN_PROGRESS:
+                del self._pending[transfer_id]
+                self._loop.call_soon_threadsafe(_resolve, done, handle)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

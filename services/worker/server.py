@@ -55,8 +55,8 @@ class RoleHandler(abc.ABC):
         """Called after the server stopped."""
 
 
-def configure_logging(role: Role) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+def configure_logging(role: Role, level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
                         format=f"%(asctime)s {role.value} %(levelname)s %(name)s: %(message)s")
 
 
@@ -97,7 +97,7 @@ def run_worker(argv: Sequence[str] | None, parser: argparse.ArgumentParser, role
     import asyncio
 
     args = parser.parse_args(argv)
-    configure_logging(role)
+    configure_logging(role, args.log_level)
     try:
         runtime = load_runtime(args, role)
         asyncio.run(serve(runtime, make_handler(runtime)))

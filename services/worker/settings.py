@@ -42,6 +42,8 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
         help="weights, activations and KV cache dtype")
     add(parser, "--num-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     add(parser, "--cpus", default="", help="pin to these CPUs, e.g. '0-3,6' (empty: no pinning)")
+    add(parser, "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (DEBUG: one line per request with its timings)")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight RPCs may still run")
     return parser

@@ -1,0 +1,143 @@
+"""The workers a disaggregated router talks to: channels, health, and load estimates.
+
+Every ``poll_interval_s`` each worker gets a grpc.health.v1 Check and a GetStats (each with a
+deadline). A worker is healthy while both succeed and it reports SERVING; a request that
+finds it unreachable marks it unhealthy at once, and it is skipped until a later poll passes.
+
+Load between polls: GetStats is a snapshot, so each worker also counts what this router has
+in flight on it (requests, prompt tokens not prefilled yet, reserved blocks). The estimate the
+policy sees is the snapshot plus the change in those counts since the snapshot was taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_server import MAX_MESSAGE_BYTES
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.router.policy import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+class InFlight:
+    """One request's share of a worker's local counts; ``end_prefill`` and ``end`` are
+    idempotent."""
+
+    def __init__(self, worker: Worker, prefill_tokens: int, blocks: int) -> None:
+        self.worker, self.prefill_tokens, self.blocks = worker, prefill_tokens, blocks
+        self.is_open = True
+        worker.local[0] += 1
+        worker.local[1] += prefill_tokens
+        worker.local[2] += blocks
+
+    def end_prefill(self) -> None:
+        self.worker.local[1] -= self.prefill_tokens
+        self.prefill_tokens = 0
+
+    def end(self) -> None:
+        if self.is_open:
+            self.end_prefill()
+            self.worker.local[0] -= 1
+            self.worker.local[2] -= self.blocks
+            self.is_open = False
+
+
+class Worker:
+    def __init__(self, address: str, role: str) -> None:
+        self.address = address
+        self.role = role
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
+        self._stats_stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self._health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.is_healthy = False
+        self.status = "not checked yet"
+        self.stats = worker_pb2.WorkerStats()
+        self.local = [0, 0, 0]  # requests, prompt tokens not prefilled, blocks: this router's
+        self._local_at_poll = [0, 0, 0]
+
+    @property
+    def worker_id(self) -> str:
+        return self.stats.worker_id
+
+    def begin(self, prefill_tokens: int = 0, blocks: int = 0) -> InFlight:
+        return InFlight(self, prefill_tokens, blocks)
+
+    def mark_unhealthy(self, reason: str) -> None:
+        if self.is_healthy:
+            log.warning("%s worker %s marked unhealthy: %s", self.role, self.address, reason)
+        self.is_healthy, self.status = False, reason
+
+    def load(self) -> WorkerLoad:
+        s = self.stats
+        requests, tokens, blocks = (now - then for now, then in zip(self.local, self._local_at_poll))
+        return WorkerLoad(
+            address=self.address,
+            num_free_blocks=max(s.num_free_blocks - blocks, 0),
+            num_total_blocks=s.num_total_blocks, block_size=s.block_size or 16,
+            num_running=max(s.num_running_requests + requests, 0),
+            num_waiting=s.num_waiting_requests,
+            num_outstanding_prefill_tokens=max(s.num_outstanding_prefill_tokens + tokens, 0))
+
+    async def refresh(self, timeout_s: float) -> None:
+        try:
+            health = await self._health_stub.Check(health_pb2.HealthCheckRequest(service=""),
+                                                   timeout=timeout_s)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                self.mark_unhealthy(health_pb2.HealthCheckResponse.ServingStatus.Name(health.status))
+                return
+            local = list(self.local)
+            stats = await self._stats_stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.mark_unhealthy(f"{exc.code().name}: {exc.details()}")
+            return
+        self.stats, self._local_at_poll = stats, local
+        if not self.is_healthy:
+            log.info("%s worker %s (%s) is healthy", self.role, self.address, stats.worker_id)
+        self.is_healthy, self.status = True, "SERVING"
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class WorkerPool:
+    def __init__(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
+                 poll_interval_s: float = 0.5, timeout_s: float = 1.0) -> None:
+        self.workers = {"prefill": [Worker(a, "prefill") for a in prefill_addresses],
+                        "decode": [Worker(a, "decode") for a in decode_addresses]}
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = timeout_s
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(w.refresh(self.timeout_s) for ws in self.workers.values() for w in ws))
+
+    def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
+        return [w for w in self.workers[role] if w.is_healthy and w.address not in exclude]
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for workers in self.workers.values():
+            for worker in workers:
+                await worker.close()
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - polling must go on
+                log.exception("polling workers failed")

@@ -1,0 +1,105 @@
+"""Real worker processes on loopback for the cluster tests: start, wait for SERVING, stats, kill.
+
+Each worker is ``python -m services.cli serve prefill|decode`` on a free port, logging to a
+file under the test's tmp dir (its tail is shown when it fails to start). NIXL runs over
+UCX on loopback (``UCX_NET_DEVICES=lo``). The test process never imports NIXL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from services.common.health import SERVING, check_health
+from services.common.pb import worker_pb2, worker_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    address: str
+    log_path: Path
+    proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    def stats(self, timeout_s: float = 2.0) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(self.address) as channel:
+            return worker_pb2_grpc.WorkerServiceStub(channel).GetStats(
+                worker_pb2.GetStatsRequest(), timeout=timeout_s)
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl") -> WorkerProcess:
+    port = free_port()
+    log_path = log_dir / f"{role}-{port}.log"
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "services.cli", "serve", role, "--port", str(port),
+            "--worker-id", f"{role}-{port}", "--transfer", transfer, "--num-threads", "1",
+            "--drain-grace-s", "2", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+    return WorkerProcess(role, f"127.0.0.1:{port}", log_path, proc, argv)
+
+
+def wait_serving(workers: list[WorkerProcess], timeout_s: float = 180.0) -> None:
+    """Until every worker is SERVING; fails with the log tail of one that exited or hangs."""
+    async def wait_one(worker: WorkerProcess) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"{worker.role} worker exited with {worker.proc.returncode}:\n"
+                                   f"{worker.log_tail()}")
+            try:
+                if await check_health(worker.address, timeout_s=1.0) == SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"{worker.role} worker {worker.address} not SERVING after "
+                           f"{timeout_s} s:\n{worker.log_tail()}")
+
+    async def wait_all() -> None:
+        await asyncio.gather(*(wait_one(w) for w in workers))
+
+    asyncio.run(wait_all())
+
+
+def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 2.0) -> dict[str, tuple[int, int]]:
+    """Poll GetStats until every worker has all its blocks free; returns the last
+    {address: (free, total)} (the caller asserts on it, so a leak shows the numbers)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {w.address: (s.num_free_blocks, s.num_total_blocks)
+                for w in workers for s in [w.stats()]}
+        if all(free == total for free, total in seen.values()) or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.05)

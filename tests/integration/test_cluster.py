@@ -1,0 +1,360 @@
+"""The disaggregated path end to end: real prefill and decode worker processes on loopback,
+driven through DisaggregatedBackend (the router's backend) in this process, compared token
+for token with the offline ``engine.LLM``.
+
+One cluster for the module: 2 prefill + 2 decode workers started with ``--transfer nixl``
+(so they serve NIXL *and* gRPC transfers; each request picks one). Prefill workers use
+64-token chunks so longer prompts are pushed chunk by chunk while later chunks compute.
+The test that kills a decode worker runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router.backend import BackendError
+from services.router.disaggregated import DisaggregatedBackend
+from services.worker.convert import params_to_proto
+from tests.integration.cluster_fixtures import start_worker, wait_all_blocks_free, wait_serving
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 96
+LEASE_MS = 8000
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Write a short poem about the sea. The waves roll in and out, the gulls cry overhead, and",
+    " ".join(["In the beginning the universe was created."] * 14) + " This has made a lot of",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("cluster-logs")
+    common = ["--num-kv-blocks", str(NUM_BLOCKS)]
+    workers = ([start_worker("prefill", log_dir, *common, "--max-num-batched-tokens", "64")
+                for _ in range(2)]
+               + [start_worker("decode", log_dir, *common, "--reservation-lease-ms", str(LEASE_MS))
+                  for _ in range(2)])
+    try:
+        wait_serving(workers)
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    """The offline oracle, on one thread: four workers share the cores, and torch's spinning
+    thread pool slows to a crawl when it has to wait for them."""
+    import torch
+
+    from engine import LLM
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(loaded_model, num_kv_blocks=256)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    return [llm.tokenizer.encode(p) for p in PROMPTS]
+
+
+def prefills(cluster):
+    return [w for w in cluster if w.role == "prefill" and w.proc.poll() is None]
+
+
+def decodes(cluster):
+    return [w for w in cluster if w.role == "decode" and w.proc.poll() is None]
+
+
+def backend_for(cluster, transfer: str) -> DisaggregatedBackend:
+    return DisaggregatedBackend([w.address for w in prefills(cluster)],
+                                [w.address for w in decodes(cluster)], transfer,
+                                poll_interval_s=0.2)
+
+
+async def collect(backend, request_id, prompt, params, timeout_s: float = 120.0):
+    """{sample index: (token ids, finish reason)} for one request."""
+    async def run():
+        samples: dict[int, tuple[list[int], str | None]] = {}
+        async for event in backend.generate(request_id, prompt, params):
+            tokens, _ = samples.get(event.index, ([], None))
+            samples[event.index] = (tokens + event.token_ids, event.finish_reason)
+        return samples
+    return await asyncio.wait_for(run(), timeout_s)
+
+
+_offline_cache: dict[str, list] = {}
+
+
+def offline(llm, prompts, params):
+    """[[(token ids, finish reason) per sample] per prompt] from the offline engine (cached)."""
+    key = repr((prompts, params))
+    if key not in _offline_cache:
+        _offline_cache[key] = [[(c.token_ids, c.finish_reason) for c in out.outputs]
+                               for out in llm.generate(prompts, params)]
+    return _offline_cache[key]
+
+
+def assert_no_leaks(cluster, timeout_s: float = 2.0):
+    seen = wait_all_blocks_free(prefills(cluster) + decodes(cluster), timeout_s)
+    assert all(free == total for free, total in seen.values()), f"blocks in use: {seen}"
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "nixl"])
+def test_greedy_matches_offline(cluster, llm, prompt_ids, transfer):
+    expected = offline(llm, prompt_ids, GREEDY)
+
+    async def scenario():
+        backend = backend_for(cluster, transfer)
+        await backend.start()
+        try:
+            assert await backend.is_healthy()
+            return await asyncio.gather(*(collect(backend, f"{transfer}-{i}", ids, GREEDY)
+                                          for i, ids in enumerate(prompt_ids)))
+        finally:
+            await backend.close()
+
+    results = asyncio.run(scenario())
+    assert [[r[0]] for r in results] == expected
+    assert_no_leaks(cluster)
+
+
+def test_seeded_sampling_and_n_match_offline(cluster, llm, prompt_ids):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, n=2)
+    expected = offline(llm, prompt_ids[:2], params)
+
+    async def scenario():
+        backend = backend_for(cluster, "nixl")
+        await backend.start()
+        try:
+            return [await collect(backend, f"seeded-{i}", ids, params)
+                    for i, ids in enumerate(prompt_ids[:2])]
+        finally:
+            await backend.close()
+
+    results = asyncio.run(scenario())
+    assert [[r[0], r[1]] for r in results] == expected
+    assert_no_leaks(cluster)
+
+
+def test_first_token_can_finish_the_request_and_carries_logprobs(cluster, llm, prompt_ids):
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, prompt_logprobs=1)
+    expected = llm.generate([prompt_ids[0]], one)[0]
+
+    async def scenario():
+        backend = backend_for(cluster, "grpc")
+        await backend.start()
+        try:
+            return [e async for e in backend.generate("one", prompt_ids[0], one)]
+        finally:
+            await backend.close()
+
+    events = asyncio.run(scenario())
+    assert len(events) == 1 and events[0].finish_reason == "length"
+    assert events[0].token_ids == expected.token_ids
+    (got,), (want,) = events[0].logprobs, expected.outputs[0].logprobs
+    assert (got.token_id, got.rank) == (want.token_id, want.rank)
+    assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert len(events[0].prompt_logprobs) == len(prompt_ids[0])
+    assert events[0].prompt_logprobs[0] is None
+    assert_no_leaks(cluster)
+
+
+def test_sixteen_concurrent_requests_on_two_by_two(cluster, llm, prompt_ids):
+    prompts = [prompt_ids[i % 3] + [1000 + i] for i in range(16)]  # short, all different
+    expected = offline(llm, prompts, GREEDY)
+
+    async def scenario():
+        backend = backend_for(cluster, "nixl")
+        await backend.start()
+        try:
+            started = time.monotonic()
+            results = await asyncio.gather(*(collect(backend, f"many-{i}", ids, GREEDY, 240)
+                                             for i, ids in enumerate(prompts)))
+            return results, time.monotonic() - started
+        finally:
+            await backend.close()
+
+    results, elapsed = asyncio.run(scenario())
+    assert [[r[0]] for r in results] == expected
+    print(f"16 requests x 8 tokens through 2 prefill + 2 decode: {elapsed:.1f} s")
+    assert_no_leaks(cluster)
+
+
+@pytest.mark.parametrize("when", ["during_prefill", "during_decode"])
+def test_cancel_frees_blocks_on_both_workers(cluster, prompt_ids, when):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def scenario():
+        backend = backend_for(cluster, "nixl")
+        await backend.start()
+        try:
+            stream = backend.generate(f"cancel-{when}", prompt_ids[3], params)
+            if when == "during_decode":
+                for _ in range(3):
+                    await asyncio.wait_for(stream.__anext__(), 60)
+            else:
+                consumer = asyncio.ensure_future(stream.__anext__())
+                await asyncio.sleep(0.3)  # the Prefill call is running (long prompt, chunked)
+                consumer.cancel()  # as a frontend does when its client goes away
+                await asyncio.gather(consumer, return_exceptions=True)
+            await stream.aclose()
+            await asyncio.sleep(0.1)
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())
+    assert_no_leaks(cluster, timeout_s=2.0)
+
+
+def test_transfer_failure_frees_blocks_and_reports(cluster, prompt_ids):
+    """The decode side drops the reservation mid-prefill: later gRPC pushes are refused, the
+    Prefill call fails with the cause, and neither worker keeps a block."""
+    prefill, decode = prefills(cluster)[0], decodes(cluster)[0]
+    prompt = prompt_ids[3] * 2  # ~300 tokens: five 64-token chunks
+    request = worker_pb2.PrefillRequest(
+        request_id="doomed", prompt_token_ids=prompt,
+        sampling_params=params_to_proto(SamplingParams(temperature=0.0, max_tokens=4)),
+        decode=worker_pb2.DecodeTarget(address=decode.address),
+        transfer_method=worker_pb2.KV_TRANSFER_METHOD_GRPC)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(prefill.address) as p, \
+                grpc.aio.insecure_channel(decode.address) as d:
+            call = worker_pb2_grpc.PrefillServiceStub(p).Prefill(request, timeout=60)
+            first = await call.read()
+            assert first.WhichOneof("event") == "reservation"
+            released = await worker_pb2_grpc.DecodeServiceStub(d).ReleaseBlocks(
+                worker_pb2.ReleaseBlocksRequest(reservation_id=first.reservation.reservation_id),
+                timeout=5)
+            assert released.num_blocks_freed == len(first.reservation.block_ids)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return err.value
+
+    error = asyncio.run(scenario())
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert "KV transfer to decode worker" in error.details()
+    assert "no live reservation 'doomed'" in error.details()
+    assert_no_leaks(cluster)
+
+
+def test_incompatible_decode_peer_is_a_clear_error(cluster, prompt_ids):
+    """A KVTransferService whose cache differs (model name, block size): FAILED_PRECONDITION
+    naming the fields, before any block is reserved or computed."""
+    import torch
+
+    from services.common.grpc_server import start_grpc_server
+    from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
+
+    prefill = prefills(cluster)[0]
+
+    async def scenario():
+        receiver = GrpcKVReceiver("another-model")
+        receiver.register(torch.zeros(4, 30, 2, 32, 3, 64))
+        server = await start_grpc_server(
+            [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))])
+        try:
+            async with grpc.aio.insecure_channel(prefill.address) as channel:
+                call = worker_pb2_grpc.PrefillServiceStub(channel).Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="mismatch", prompt_token_ids=prompt_ids[0],
+                        sampling_params=params_to_proto(GREEDY),
+                        decode=worker_pb2.DecodeTarget(address=server.address),
+                        transfer_method=worker_pb2.KV_TRANSFER_METHOD_GRPC), timeout=30)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call.read()
+                return err.value
+        finally:
+            await server.stop(0)
+
+    error = asyncio.run(scenario())
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "model_name: receiver='another-model' sender='SmolLM2" in error.details()
+    assert "block_size: receiver=32 sender=16" in error.details()
+    assert_no_leaks(cluster)
+
+
+def test_unclaimed_reservation_is_released_after_its_lease(cluster, prompt_ids):
+    decode = decodes(cluster)[0]
+    request = worker_pb2.ReserveBlocksRequest(
+        request_id="never-claimed", prompt_token_ids=prompt_ids[3],
+        sampling_params=params_to_proto(GREEDY))
+    with grpc.insecure_channel(decode.address) as channel:
+        stub = worker_pb2_grpc.DecodeServiceStub(channel)
+        reply = stub.ReserveBlocks(request, timeout=5)
+        assert reply.reservation.lease_ms == LEASE_MS
+        stats = decode.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks - len(reply.reservation.block_ids)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReserveBlocks(request, timeout=5)
+        assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
+        time.sleep(LEASE_MS / 1000)
+        assert_no_leaks(cluster, timeout_s=2.0)
+        late = stub.Decode(worker_pb2.DecodeRequest(
+            request_id="never-claimed", token_ids=[*prompt_ids[3], 1],
+            num_prompt_tokens=len(prompt_ids[3]), reservation_id="never-claimed"), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            next(late)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_input_is_a_value_error(cluster):
+    async def scenario():
+        backend = backend_for(cluster, "nixl")
+        await backend.start()
+        try:
+            with pytest.raises(ValueError, match="out of vocabulary"):
+                await collect(backend, "bad", [1, 10**6], GREEDY)
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())
+    assert_no_leaks(cluster)
+
+
+def test_killing_a_decode_worker_fails_its_request_and_others_go_on(cluster, llm, prompt_ids):
+    """Runs last: it leaves the cluster with one decode worker."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = offline(llm, prompt_ids[:2], GREEDY)
+
+    async def scenario():
+        backend = backend_for(cluster, "nixl")
+        await backend.start()
+        try:
+            stream = backend.generate("victim", prompt_ids[2], params)
+            for _ in range(3):
+                await asyncio.wait_for(stream.__anext__(), 60)
+            busy = [w for w in decodes(cluster) if w.stats().num_running_requests > 0]
+            assert len(busy) == 1
+            busy[0].stop(signal.SIGKILL)
+            with pytest.raises(BackendError, match="decode worker .* failed"):
+                async for _ in stream:
+                    pass
+            after = [await collect(backend, f"after-{i}", ids, GREEDY)
+                     for i, ids in enumerate(prompt_ids[:2])]
+            return after, busy[0]
+        finally:
+            await backend.close()
+
+    after, killed = asyncio.run(scenario())
+    assert [[r[0]] for r in after] == expected
+    assert killed.proc.returncode == -signal.SIGKILL
+    assert_no_leaks(cluster)
