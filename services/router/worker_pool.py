@@ -52,17 +52,21 @@ class Worker:
     def __init__(self, address: str, role: str) -> None:
         self.address = address
         self.role = role
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
-        self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
-        self._stats_stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
-        self._health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.channel: grpc.aio.Channel | None = None  # opened by connect(), on the serving loop
         self.is_healthy = False
         self.status = "not checked yet"
         self.stats = worker_pb2.WorkerStats()
         self.local = [0, 0, 0]  # requests, prompt tokens not prefilled, blocks: this router's
         self._local_at_poll = [0, 0, 0]
+
+    def connect(self) -> None:
+        """Open the channel; must run on the event loop that will use it (grpc.aio binds it)."""
+        self.channel = grpc.aio.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
+        self._stats_stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self._health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     @property
     def worker_id(self) -> str:
@@ -105,7 +109,8 @@ class Worker:
         self.is_healthy, self.status = True, "SERVING"
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()
 
 
 class WorkerPool:
@@ -118,6 +123,9 @@ class WorkerPool:
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
+        for workers in self.workers.values():
+            for worker in workers:
+                worker.connect()
         await self.refresh()
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 

@@ -1,0 +1,292 @@
+"""``pdserve up``: the local cluster — N prefill + M decode workers and a router, one process each.
+
+    pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] [--model PATH]
+               [--http-port 8000] [--grpc-port 50051] [--pin-cores] ...   (each also PDSERVE_*)
+
+Workers start first (on free loopback ports), then the router pointed at them (or, with
+``--colocated``, the router alone with its own engine). When every service reports SERVING
+on grpc.health.v1 (and the router's ``/health`` answers 200), exactly one line goes to stdout::
+
+    ready http=127.0.0.1:8000 grpc=127.0.0.1:50051
+
+Children write to ``<log dir>/<name>.log``. A child that exits early fails ``up`` with its
+exit code and the tail of its log. SIGINT / SIGTERM drain the router first, then the workers
+(SIGTERM, ``--drain-grace-s``), then kill what is left. Children get SIGTERM from the kernel
+if ``up`` itself dies (Linux ``PR_SET_PDEATHSIG``), so nothing is orphaned.
+
+``--transfer nixl`` (the default) falls back to grpc, with a warning, when NIXL cannot create
+a UCX agent here. UCX is pinned to loopback (``UCX_NET_DEVICES=lo``) unless already set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.grpc_server import DEFAULT_GRACE_S
+from services.common.health import SERVING, check_health
+from services.common.settings import add_env_argument
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Run in each child before exec: die with the launcher (the setting survives execv).
+_DEATHSIG_SHIM = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                  "os.getppid() == int(sys.argv[1]) or sys.exit(70); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+_NIXL_PROBE = ("from nixl import _api; "
+               "_api.nixl_agent('pdserve-probe', _api.nixl_agent_config(backends=['UCX']))")
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child, message: str) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    grpc_address: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "ab") as log:
+            if sys.platform == "linux":
+                argv = [sys.executable, "-c", _DEATHSIG_SHIM, str(os.getpid()), *self.argv]
+            else:
+                argv = [sys.executable, *self.argv]
+            self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, num_lines: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-num_lines:])
+
+    def failure(self) -> ChildFailed | None:
+        code = self.proc.poll() if self.proc else None
+        if code is None:
+            return None
+        return ChildFailed(self, f"{self.name} exited with code {code}; last lines of "
+                                 f"{self.log_path}:\n{self.log_tail()}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n\n")[0])
+    add = add_env_argument
+    add(parser, "--prefill", type=int, default=1, help="number of prefill workers")
+    add(parser, "--decode", type=int, default=1, help="number of decode workers")
+    add(parser, "--colocated", action="store_true",
+        help="one router process with its own engine (prefill and decode together)")
+    add(parser, "--transfer", choices=["nixl", "grpc"], default="nixl", help="KV transport")
+    add(parser, "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    add(parser, "--http-port", type=int, default=8000, help="router OpenAI HTTP port")
+    add(parser, "--grpc-port", type=int, default=50051, help="router gRPC port")
+    add(parser, "--pin-cores", action="store_true",
+        help="split this process's CPUs: prefill workers on one half, decode workers on the other")
+    add(parser, "--worker-args", default="",
+        help="extra flags for every worker, e.g. '--num-kv-blocks 256'")
+    add(parser, "--log-dir", default="", help="children's logs (default: a new temp dir)")
+    add(parser, "--startup-timeout-s", type=float, default=300.0, help="wait this long for SERVING")
+    add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
+        help="on SIGINT/SIGTERM, seconds in-flight requests may still run")
+    return parser
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def nixl_usable(env: dict[str, str]) -> str | None:
+    """None if a NIXL UCX agent can be created here, else why not (probed in a child)."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", _NIXL_PROBE], env=env, capture_output=True,
+                               text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "the NIXL probe timed out"
+    if probe.returncode == 0:
+        return None
+    return (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+
+
+def cpu_split(num_prefill: int, num_decode: int) -> tuple[list[int], list[int]] | None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = max(1, len(cpus) * num_prefill // (num_prefill + num_decode))
+    half = min(half, len(cpus) - 1)
+    return cpus[:half], cpus[half:]
+
+
+def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
+    """The worker processes and the router process to start."""
+    workers: list[Child] = []
+    extra = args.worker_args.split()
+    model = ["--model", args.model] if args.model else []
+    split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
+    if not args.colocated:
+        for role, count, index in (("prefill", args.prefill, 0), ("decode", args.decode, 1)):
+            pinning: list[str] = []
+            if split is not None:
+                cpus = split[index]
+                pinning = ["--cpus", ",".join(map(str, cpus)),
+                           "--num-threads", str(max(1, len(cpus) // count))]
+            for i in range(count):
+                port = free_port()
+                name = f"{role}-{i}"
+                workers.append(Child(name, [
+                    "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
+                    "--worker-id", name, "--transfer", args.transfer,
+                    "--drain-grace-s", str(args.drain_grace_s), *model, *pinning, *extra],
+                    f"{HOST}:{port}", log_dir / f"{name}.log"))
+    router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
+                   "--grpc-port", str(args.grpc_port), *model]
+    if args.colocated:
+        router_argv.append("--colocated")
+    else:
+        router_argv += [
+            "--prefill", ",".join(w.grpc_address for w in workers if w.name.startswith("prefill")),
+            "--decode", ",".join(w.grpc_address for w in workers if w.name.startswith("decode")),
+            "--transfer", args.transfer]
+    router = Child("router", router_argv, f"{HOST}:{args.grpc_port}", log_dir / "router.log")
+    return workers, router
+
+
+async def wait_serving(child: Child, deadline: float, http_port: int | None = None) -> None:
+    """Until ``child`` is SERVING (and its HTTP /health is 200); ChildFailed if it exits."""
+    last = "no answer"
+    while time.monotonic() < deadline:
+        failure = child.failure()
+        if failure is not None:
+            raise failure
+        try:
+            if await check_health(child.grpc_address, timeout_s=1.0) == SERVING:
+                if http_port is None or await asyncio.to_thread(_http_ok, http_port):
+                    return
+                last = "gRPC SERVING, HTTP /health not yet 200"
+            else:
+                last = "NOT_SERVING"
+        except Exception as exc:  # noqa: BLE001 - not up yet
+            last = f"{type(exc).__name__}"
+        await asyncio.sleep(0.2)
+    raise ChildFailed(child, f"{child.name} not ready after the startup timeout ({last}); last "
+                             f"lines of {child.log_path}:\n{child.log_tail()}")
+
+
+def _http_ok(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def stop_children(children: Sequence[Child], grace_s: float) -> None:
+    """SIGTERM all of ``children``, wait up to ``grace_s`` + 5 s, then SIGKILL the rest."""
+    for child in children:
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + 5
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+async def run(args: argparse.Namespace) -> int:
+    env = dict(os.environ)
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    if args.transfer == "nixl" and not args.colocated:
+        reason = nixl_usable(env)
+        if reason is not None:
+            print(f"pdserve up: warning: NIXL is not usable here ({reason}); using --transfer grpc",
+                  file=sys.stderr, flush=True)
+            args.transfer = "grpc"
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"pdserve up: logs in {log_dir}", file=sys.stderr, flush=True)
+    workers, router = plan(args, log_dir)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started: list[Child] = []
+    try:
+        deadline = time.monotonic() + args.startup_timeout_s
+        for child in workers:
+            child.start(env)
+            started.append(child)
+        if not await _until_stopped(stop, asyncio.gather(*(wait_serving(w, deadline) for w in workers))):
+            return 0
+        router.start(env)
+        started.append(router)
+        if not await _until_stopped(stop, wait_serving(router, deadline, args.http_port)):
+            return 0
+        print(f"ready http={HOST}:{args.http_port} grpc={HOST}:{args.grpc_port}", flush=True)
+        while not stop.is_set():
+            for child in started:
+                failure = child.failure()
+                if failure is not None:
+                    raise failure
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+    except ChildFailed as exc:
+        print(f"pdserve up: error: {exc}", file=sys.stderr, flush=True)
+        code = exc.child.proc.poll() if exc.child.proc else None
+        return code if code else 1
+    finally:  # the router drains first (it stops taking requests), then the workers
+        await asyncio.to_thread(stop_children, [c for c in started if c is router], args.drain_grace_s)
+        await asyncio.to_thread(stop_children, [c for c in started if c is not router],
+                                args.drain_grace_s)
+
+
+async def _until_stopped(stop: asyncio.Event, work) -> bool:
+    """Run ``work``; False (and ``work`` cancelled) if ``stop`` is set first."""
+    work = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            work.result()  # raises ChildFailed
+            return True
+        return False
+    finally:
+        for task in (work, stopper):
+            if not task.done():
+                task.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        build_parser().error("--prefill and --decode must be >= 1")
+    sys.exit(asyncio.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()
