@@ -50,7 +50,8 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if fork_from is not None and fork_from not in self.requests:
-            raise ValueError(f"cannot fork {request.request_id!r} from unknown request {fork_from!r}")
+            raise ValueError(
+                f"cannot fork {request.request_id!r} from unknown request {fork_from!r}")
         self._check_fits(request)
         self._update_block_hashes(request)
         self.requests[request.request_id] = request
@@ -209,8 +210,8 @@ class Scheduler:
         prompt themselves (a prefix hit on its blocks once they are cached)."""
         for request in out.scheduled:
             children = self.fork_pending.get(request.request_id)
-            if not children or (request.num_computed_tokens
-                                + out.num_scheduled_tokens[request.request_id] < request.num_tokens):
+            num_scheduled = out.num_scheduled_tokens[request.request_id]
+            if not children or request.num_computed_tokens + num_scheduled < request.num_tokens:
                 continue
             num_seats = self.config.max_num_seqs - (self._num_seats_taken() - len(children))
             num_forked = max(num_seats, 0)
