@@ -13,7 +13,7 @@ from collections.abc import Callable
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
@@ -90,7 +90,8 @@ class FakeRunner:
         block_ids = self.scheduler.kv_manager.get_block_ids(request.request_id)
         bs = self.block_size
         if len(block_ids) * bs < start + num_new:
-            raise AssertionError(f"{request}: table {block_ids} cannot hold {start + num_new} tokens")
+            raise AssertionError(
+                f"{request}: table {block_ids} cannot hold {start + num_new} tokens")
         slot = lambda pos: block_ids[pos // bs] * bs + pos % bs  # noqa: E731
         seen = [self.slots[slot(pos)] for pos in range(start)]
         if seen != token_ids[:start]:
@@ -107,8 +108,9 @@ def run_until_idle(runner: FakeRunner, max_steps: int = 1000) -> list[RequestOut
         if not runner.scheduler.has_unfinished_requests():
             return outputs
         outputs += runner.step()[1]
+    scheduler = runner.scheduler
     raise AssertionError(f"still unfinished after {max_steps} steps: "
-                         f"waiting={list(runner.scheduler.waiting)} running={runner.scheduler.running}")
+                         f"waiting={list(scheduler.waiting)} running={scheduler.running}")
 
 
 def check_scheduler(scheduler: Scheduler) -> None:
@@ -117,14 +119,13 @@ def check_scheduler(scheduler: Scheduler) -> None:
     pool = manager.block_pool
     manager.check_integrity()
     num_in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
-    num_cached_free = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
-    num_free_uncached = pool.num_free_blocks - num_cached_free
-    assert num_free_uncached + num_cached_free + num_in_use == pool.num_blocks
+    num_cached = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    num_free = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is None)
+    assert num_free + num_cached + num_in_use == pool.num_blocks
+    assert num_free + num_cached == pool.num_free_blocks
 
-    running_ids = [r.request_id for r in scheduler.running]
-    waiting_ids = [r.request_id for r in scheduler.waiting]
-    pending_ids = [c.request_id for cs in scheduler.fork_pending.values() for c in cs]
-    everywhere = running_ids + waiting_ids + pending_ids
+    pending = [c for children in scheduler.fork_pending.values() for c in children]
+    everywhere = [r.request_id for r in [*scheduler.running, *scheduler.waiting, *pending]]
     assert len(set(everywhere)) == len(everywhere), f"a request is in two queues: {everywhere}"
     assert set(everywhere) == set(scheduler.requests), (everywhere, list(scheduler.requests))
     assert not set(scheduler.held) & set(scheduler.requests)
@@ -135,8 +136,8 @@ def check_scheduler(scheduler: Scheduler) -> None:
     for request in scheduler.running:
         num_slots = len(manager.get_block_ids(request.request_id)) * scheduler.block_size
         assert num_slots >= request.num_computed_tokens, (request, num_slots)
-    for request in list(scheduler.waiting) + [c for cs in scheduler.fork_pending.values() for c in cs]:
-        if request.status.name != "WAITING_FOR_REMOTE_KV" and request.num_computed_tokens == 0:
+    for request in [*scheduler.waiting, *pending]:  # only reserved or landed remote KV is held
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV and request.num_computed_tokens == 0:
             assert manager.get_block_ids(request.request_id) == [], request
     owners = set(manager._requests)
     assert owners <= set(scheduler.requests) | set(scheduler.held), owners

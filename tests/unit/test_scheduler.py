@@ -58,9 +58,6 @@ def add_parallel(scheduler, request_id: str, prompt, n: int, **kwargs):
     return samples
 
 
-# ---- token budget and chunked prefill --------------------------------------------------
-
-
 def test_decodes_first_then_a_long_prompt_is_chunked_into_the_rest(new_scheduler):
     scheduler, runner = new_scheduler(max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", 3, max_tokens=10))
@@ -151,9 +148,6 @@ def test_max_num_seqs_limits_the_running_batch(new_scheduler):
     assert scheduled(runner.step()[0]) == {"c": 2}
 
 
-# ---- preemption ------------------------------------------------------------------------
-
-
 def test_preemption_evicts_the_newest_request_to_the_front_of_the_queue(new_scheduler):
     # 6 blocks of 4: a, b and c (4-token prompts) fill them at 8 tokens each; the 9th needs a
     # third block each.
@@ -201,9 +195,6 @@ def test_a_running_request_preempts_itself_when_it_is_the_newest(new_scheduler):
     assert all_blocks_free(scheduler)
 
 
-# ---- admission limits ------------------------------------------------------------------
-
-
 def test_a_request_that_can_never_fit_is_rejected_when_added(new_scheduler):
     scheduler, runner = new_scheduler(num_blocks=4)  # 16 tokens in all
     with pytest.raises(ValueError, match="max_tokens"):
@@ -234,9 +225,6 @@ def test_a_duplicate_request_id_is_rejected(new_scheduler):
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(make_request("a", 3))
     scheduler.abort_request("a")
-
-
-# ---- abort -----------------------------------------------------------------------------
 
 
 def _into_state(state: str, new_scheduler):
@@ -318,16 +306,14 @@ def test_a_parent_finished_before_its_fork_hands_its_samples_back(new_scheduler)
     assert all_blocks_free(scheduler)
 
 
-# ---- roles -----------------------------------------------------------------------------
-
-
 def test_prefill_role_stops_after_the_first_token_and_holds_the_blocks(new_scheduler):
     scheduler, runner = new_scheduler(num_blocks=8, max_num_batched_tokens=8, role=Role.PREFILL)
     scheduler.add_request(make_request("x", 10, max_tokens=16))
     sched, outputs = runner.step()
     assert scheduled(sched) == {"x": 8}
     # A chunk without a token still reports progress: what can already be sent.
-    assert [(o.new_token_ids, o.num_computed_tokens, o.finished) for o in outputs] == [([], 8, False)]
+    assert [(o.new_token_ids, o.num_computed_tokens, o.finished) for o in outputs] == [
+        ([], 8, False)]
     sched, outputs = runner.step()
     assert scheduled(sched) == {"x": 2}
     assert [(o.new_token_ids, o.num_computed_tokens, o.finish_reason) for o in outputs] == [
@@ -427,9 +413,6 @@ def test_landed_kv_queued_behind_gives_its_blocks_to_the_queue_head(new_schedule
     assert all_blocks_free(scheduler)
 
 
-# ---- n > 1 -----------------------------------------------------------------------------
-
-
 def test_parallel_samples_fork_from_sample_0_after_its_prefill(new_scheduler):
     scheduler, runner = new_scheduler(num_blocks=8, max_num_batched_tokens=4)
     add_parallel(scheduler, "p", 6, n=3, max_tokens=3)
@@ -486,9 +469,6 @@ def test_forked_samples_respect_max_num_seqs(new_scheduler):
     assert new_tokens(outputs) == {"p/2": [120], "q": [100]}
     run_until_idle(runner)
     assert all_blocks_free(scheduler)
-
-
-# ---- prompt logprobs -------------------------------------------------------------------
 
 
 def test_prompt_logprobs_survive_preemption_and_prefix_hits(new_scheduler):

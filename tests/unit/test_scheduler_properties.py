@@ -59,7 +59,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _fits(self, request: Request) -> bool:
         limit = request.sampling_params.max_tokens
         max_len = min(request.num_prompt_tokens + (limit or MAX_MODEL_LEN), MAX_MODEL_LEN)
-        return -(-max_len // self.scheduler.block_size) <= self.scheduler.kv_manager.block_pool.num_blocks
+        num_blocks = self.scheduler.kv_manager.block_pool.num_blocks
+        return -(-max_len // self.scheduler.block_size) <= num_blocks
 
     @rule(prompt=prompts, limit=max_tokens, n=st.integers(1, 3), min_tokens=st.integers(0, 2),
           want_prompt_logprobs=st.booleans())
@@ -110,7 +111,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             waiting_ids = [r.request_id for r in scheduler.waiting]
             for request_id in preempted:
                 request = self.all_requests[request_id]
-                assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens == 0
+                assert request.status == RequestStatus.PREEMPTED
+                assert request.num_computed_tokens == 0
                 assert scheduler.kv_manager.get_block_ids(request_id) == []
                 assert all(waiting_ids.index(request_id) < waiting_ids.index(w)
                            for w in waiting_before if w in waiting_ids)
@@ -119,7 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif len(decoding_before) <= budget:
             missed = [r.request_id for r in decoding_before
                       if r.request_id not in sched.num_scheduled_tokens]
-            assert not missed, f"decodes {missed} were not scheduled (plan {sched.num_scheduled_tokens})"
+            assert not missed, f"decodes {missed} not scheduled: {sched.num_scheduled_tokens}"
 
         for output in outputs:
             self.streamed[output.request_id] += output.new_token_ids
