@@ -1,4 +1,5 @@
-"""Real worker processes on loopback for the cluster tests: start, wait for SERVING, stats, kill.
+"""Real worker (and router) processes on loopback for the cluster tests: start, wait for
+SERVING, stats, kill.
 
 Each worker is ``python -m services.cli serve prefill|decode`` on a free port, logging to a
 file under the test's tmp dir (its tail is shown when it fails to start). NIXL runs over
@@ -57,6 +58,15 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+def stop_all(processes: list[WorkerProcess]) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL after 15 s)."""
+    for process in processes:
+        if process.proc.poll() is None:
+            process.proc.send_signal(signal.SIGTERM)
+    for process in processes:
+        process.stop()
+
+
 def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl") -> WorkerProcess:
     port = free_port()
     log_path = log_dir / f"{role}-{port}.log"
@@ -68,6 +78,22 @@ def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl") -
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
     return WorkerProcess(role, f"127.0.0.1:{port}", log_path, proc, argv)
+
+
+def start_router(log_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
+                 transfer: str) -> WorkerProcess:
+    """``pdserve serve router`` over the given workers; its ``address`` is the gRPC one."""
+    grpc_port, http_port = free_port(), free_port()
+    log_path = log_dir / f"router-{transfer}-{grpc_port}.log"
+    argv = [sys.executable, "-m", "services.cli", "serve", "router",
+            "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+            "--prefill", ",".join(w.address for w in prefill),
+            "--decode", ",".join(w.address for w in decode), "--transfer", transfer,
+            "--drain-grace-s", "2"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    return WorkerProcess("router", f"127.0.0.1:{grpc_port}", log_path, proc, argv)
 
 
 def wait_serving(workers: list[WorkerProcess], timeout_s: float = 180.0) -> None:

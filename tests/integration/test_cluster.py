@@ -1,11 +1,13 @@
-"""The disaggregated path end to end: real prefill and decode worker processes on loopback,
-driven through DisaggregatedBackend (the router's backend) in this process, compared token
-for token with the offline ``engine.LLM``.
+"""The disaggregated path end to end: real prefill, decode and router processes on loopback,
+compared token for token with the offline ``engine.LLM``.
 
 One cluster for the module: 2 prefill + 2 decode workers started with ``--transfer nixl``
-(so they serve NIXL *and* gRPC transfers; each request picks one). Prefill workers use
-64-token chunks so longer prompts are pushed chunk by chunk while later chunks compute.
-The test that kills a decode worker runs last.
+(so they serve NIXL *and* gRPC transfers; each request picks one), and two routers
+(``pdserve serve router``) in front of them, one per ``--transfer``. Requests go through a
+router's public gRPC Generate API; tests that need to see inside a request (first-token
+logprobs, bad input, a transfer made to fail) use DisaggregatedBackend or the worker RPCs
+directly. Prefill workers use 64-token chunks so longer prompts are pushed chunk by chunk
+while later chunks compute. The test that kills a decode worker runs last.
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.router.backend import BackendError
+from services.common.pb import generate_pb2, generate_pb2_grpc, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.router.disaggregated import DisaggregatedBackend
-from services.worker.convert import params_to_proto
-from tests.integration.cluster_fixtures import start_worker, wait_all_blocks_free, wait_serving
+from services.worker.convert import finish_from_proto, params_to_proto
+from tests.integration.cluster_fixtures import (
+    start_router,
+    start_worker,
+    stop_all,
+    wait_all_blocks_free,
+    wait_serving,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +52,18 @@ def cluster(tmp_path_factory):
                 for _ in range(2)]
                + [start_worker("decode", log_dir, *common, "--reservation-lease-ms", str(LEASE_MS))
                   for _ in range(2)])
+    routers = [start_router(log_dir, workers[:2], workers[2:], transfer)
+               for transfer in ("grpc", "nixl")]
     try:
-        wait_serving(workers)
-        yield workers
+        wait_serving(workers + routers)
+        yield workers + routers
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(routers)
+        stop_all(workers)
+
+
+def router(cluster, transfer: str):
+    return next(p for p in cluster if p.role == "router" and f"router-{transfer}-" in p.log_path.name)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +100,26 @@ def backend_for(cluster, transfer: str) -> DisaggregatedBackend:
                                 poll_interval_s=0.2)
 
 
+async def generate(channel: grpc.aio.Channel, prompt: list[int], params: SamplingParams,
+                   timeout_s: float = 120.0) -> dict[int, tuple[list[int], str | None]]:
+    """{sample index: (token ids, finish reason)} of one Generate call to a router."""
+    call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling_params=params_to_proto(params)), timeout=timeout_s)
+    samples: dict[int, tuple[list[int], str | None]] = {}
+    async for chunk in call:
+        tokens, _ = samples.get(chunk.index, ([], None))
+        samples[chunk.index] = (tokens + list(chunk.token_ids), finish_from_proto(chunk.finish_reason))
+    return samples
+
+
+def through_router(cluster, transfer: str, prompts: list[list[int]], params: SamplingParams):
+    async def scenario():
+        async with grpc.aio.insecure_channel(router(cluster, transfer).address) as channel:
+            return await asyncio.gather(*(generate(channel, p, params) for p in prompts))
+    return asyncio.run(scenario())
+
+
 async def collect(backend, request_id, prompt, params, timeout_s: float = 120.0):
     """{sample index: (token ids, finish reason)} for one request."""
     async def run():
@@ -118,36 +151,18 @@ def assert_no_leaks(cluster, timeout_s: float = 2.0):
 @pytest.mark.parametrize("transfer", ["grpc", "nixl"])
 def test_greedy_matches_offline(cluster, llm, prompt_ids, transfer):
     expected = offline(llm, prompt_ids, GREEDY)
-
-    async def scenario():
-        backend = backend_for(cluster, transfer)
-        await backend.start()
-        try:
-            assert await backend.is_healthy()
-            return await asyncio.gather(*(collect(backend, f"{transfer}-{i}", ids, GREEDY)
-                                          for i, ids in enumerate(prompt_ids)))
-        finally:
-            await backend.close()
-
-    results = asyncio.run(scenario())
+    results = through_router(cluster, transfer, prompt_ids, GREEDY)
     assert [[r[0]] for r in results] == expected
     assert_no_leaks(cluster)
 
 
 def test_seeded_sampling_and_n_match_offline(cluster, llm, prompt_ids):
+    """The sampler reseeds per output position: the first token sampled on the prefill
+    worker and the rest on the decode worker give the offline engine's tokens; sample i of
+    n=2 is seeded seed + i there as here."""
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, n=2)
     expected = offline(llm, prompt_ids[:2], params)
-
-    async def scenario():
-        backend = backend_for(cluster, "nixl")
-        await backend.start()
-        try:
-            return [await collect(backend, f"seeded-{i}", ids, params)
-                    for i, ids in enumerate(prompt_ids[:2])]
-        finally:
-            await backend.close()
-
-    results = asyncio.run(scenario())
+    results = through_router(cluster, "nixl", prompt_ids[:2], params)
     assert [[r[0], r[1]] for r in results] == expected
     assert_no_leaks(cluster)
 
@@ -179,45 +194,29 @@ def test_first_token_can_finish_the_request_and_carries_logprobs(cluster, llm, p
 def test_sixteen_concurrent_requests_on_two_by_two(cluster, llm, prompt_ids):
     prompts = [prompt_ids[i % 3] + [1000 + i] for i in range(16)]  # short, all different
     expected = offline(llm, prompts, GREEDY)
-
-    async def scenario():
-        backend = backend_for(cluster, "nixl")
-        await backend.start()
-        try:
-            started = time.monotonic()
-            results = await asyncio.gather(*(collect(backend, f"many-{i}", ids, GREEDY, 240)
-                                             for i, ids in enumerate(prompts)))
-            return results, time.monotonic() - started
-        finally:
-            await backend.close()
-
-    results, elapsed = asyncio.run(scenario())
+    started = time.monotonic()
+    results = through_router(cluster, "nixl", prompts, GREEDY)
+    print(f"16 requests x 8 tokens through 2 prefill + 2 decode: "
+          f"{time.monotonic() - started:.1f} s")
     assert [[r[0]] for r in results] == expected
-    print(f"16 requests x 8 tokens through 2 prefill + 2 decode: {elapsed:.1f} s")
     assert_no_leaks(cluster)
 
 
 @pytest.mark.parametrize("when", ["during_prefill", "during_decode"])
-def test_cancel_frees_blocks_on_both_workers(cluster, prompt_ids, when):
+def test_cancelling_a_stream_frees_blocks_on_both_workers(cluster, prompt_ids, when):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
     async def scenario():
-        backend = backend_for(cluster, "nixl")
-        await backend.start()
-        try:
-            stream = backend.generate(f"cancel-{when}", prompt_ids[3], params)
+        async with grpc.aio.insecure_channel(router(cluster, "nixl").address) as channel:
+            call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
+                generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt_ids[3]),
+                                             sampling_params=params_to_proto(params)), timeout=60)
             if when == "during_decode":
                 for _ in range(3):
-                    await asyncio.wait_for(stream.__anext__(), 60)
+                    await call.read()
             else:
-                consumer = asyncio.ensure_future(stream.__anext__())
                 await asyncio.sleep(0.3)  # the Prefill call is running (long prompt, chunked)
-                consumer.cancel()  # as a frontend does when its client goes away
-                await asyncio.gather(consumer, return_exceptions=True)
-            await stream.aclose()
-            await asyncio.sleep(0.1)
-        finally:
-            await backend.close()
+            call.cancel()
 
     asyncio.run(scenario())
     assert_no_leaks(cluster, timeout_s=2.0)
@@ -316,6 +315,39 @@ def test_unclaimed_reservation_is_released_after_its_lease(cluster, prompt_ids):
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
 
 
+def test_full_decode_workers_mean_overloaded_and_nothing_leaks(cluster, prompt_ids):
+    """Both decode workers answer RESOURCE_EXHAUSTED: the backend tries each, then raises
+    Overloaded; the prefill worker computed nothing and holds nothing."""
+    from services.router.backend import Overloaded
+
+    fillers = []
+    for i, decode in enumerate(decodes(cluster)):
+        with grpc.insecure_channel(decode.address) as channel:
+            reply = worker_pb2_grpc.DecodeServiceStub(channel).ReserveBlocks(
+                worker_pb2.ReserveBlocksRequest(request_id=f"filler-{i}", prompt_token_ids=[1] * 1440,
+                                                sampling_params=params_to_proto(GREEDY)), timeout=5)
+        fillers.append((decode, reply.reservation.reservation_id))
+
+    async def scenario():
+        backend = backend_for(cluster, "nixl")
+        await backend.start()
+        try:
+            with pytest.raises(Overloaded, match="every decode worker is full: .* has 6 free KV "
+                                                 "blocks; a .*-token prompt needs 8"):
+                await collect(backend, "too-big", prompt_ids[3], GREEDY)
+        finally:
+            await backend.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for decode, reservation_id in fillers:
+            with grpc.insecure_channel(decode.address) as channel:
+                worker_pb2_grpc.DecodeServiceStub(channel).ReleaseBlocks(
+                    worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=5)
+    assert_no_leaks(cluster)
+
+
 def test_bad_input_is_a_value_error(cluster):
     async def scenario():
         backend = backend_for(cluster, "nixl")
@@ -336,25 +368,24 @@ def test_killing_a_decode_worker_fails_its_request_and_others_go_on(cluster, llm
     expected = offline(llm, prompt_ids[:2], GREEDY)
 
     async def scenario():
-        backend = backend_for(cluster, "nixl")
-        await backend.start()
-        try:
-            stream = backend.generate("victim", prompt_ids[2], params)
+        async with grpc.aio.insecure_channel(router(cluster, "nixl").address) as channel:
+            call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
+                generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt_ids[2]),
+                                             sampling_params=params_to_proto(params)), timeout=60)
             for _ in range(3):
-                await asyncio.wait_for(stream.__anext__(), 60)
+                await call.read()
             busy = [w for w in decodes(cluster) if w.stats().num_running_requests > 0]
             assert len(busy) == 1
             busy[0].stop(signal.SIGKILL)
-            with pytest.raises(BackendError, match="decode worker .* failed"):
-                async for _ in stream:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while await call.read() is not grpc.aio.EOF:
                     pass
-            after = [await collect(backend, f"after-{i}", ids, GREEDY)
-                     for i, ids in enumerate(prompt_ids[:2])]
-            return after, busy[0]
-        finally:
-            await backend.close()
+            after = [await generate(channel, ids, GREEDY) for ids in prompt_ids[:2]]
+            return err.value, after, busy[0]
 
-    after, killed = asyncio.run(scenario())
+    error, after, killed = asyncio.run(scenario())
+    assert error.code() is grpc.StatusCode.INTERNAL
+    assert f"decode worker {killed.address} failed: UNAVAILABLE" in error.details()
     assert [[r[0]] for r in after] == expected
     assert killed.proc.returncode == -signal.SIGKILL
     assert_no_leaks(cluster)
