@@ -123,13 +123,14 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         request_id = reservation.reservation_id
         finished = handed_over = False
         try:
-            first_token = self._check_tokens(request, reservation)
+            vocab_size = self.runtime.core.model_config.vocab_size
+            first_token = self._check_tokens(request, reservation, vocab_size)
             if first_token is None:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"Decode: token_ids must be the reserved {len(reservation.prompt_token_ids)}-token "
-                    f"prompt followed by exactly one token (the first token), and "
-                    f"num_prompt_tokens must match; got {len(request.token_ids)} tokens, "
+                    f"prompt followed by exactly one token in [0, {vocab_size}) (the first token), "
+                    f"and num_prompt_tokens must match; got {len(request.token_ids)} tokens, "
                     f"num_prompt_tokens={request.num_prompt_tokens}")
             claimed_at = time.monotonic()
             await self._wait_landed(reservation, context)
@@ -161,11 +162,13 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
     # ---- helpers ---------------------------------------------------------------------
 
     @staticmethod
-    def _check_tokens(request: worker_pb2.DecodeRequest, reservation: Reservation) -> int | None:
+    def _check_tokens(request: worker_pb2.DecodeRequest, reservation: Reservation,
+                      vocab_size: int) -> int | None:
+        """The first token, or None when the request does not match its reservation."""
         prompt = reservation.prompt_token_ids
         token_ids = list(request.token_ids)
         if (len(token_ids) != len(prompt) + 1 or token_ids[:-1] != prompt
-                or request.num_prompt_tokens != len(prompt)):
+                or request.num_prompt_tokens != len(prompt) or token_ids[-1] >= vocab_size):
             return None
         return token_ids[-1]
 

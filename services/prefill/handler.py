@@ -132,7 +132,10 @@ class _PrefillJob:
         if self.params.max_tokens != 1:
             yield worker_pb2.PrefillResponse(request_id=self.request_id,
                                              reservation=await self._reserve())
-        queue = self.engine.subscribe(self.request_id)
+        try:
+            queue = self.engine.subscribe(self.request_id)
+        except ValueError as exc:
+            raise PrefillAbort(grpc.StatusCode.ALREADY_EXISTS, f"Prefill: {exc}") from exc
         self.subscribed = True
         try:
             await self.engine.call(lambda core: core.add_request(self.request_id, self.prompt, self.params))

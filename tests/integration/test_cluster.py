@@ -291,27 +291,37 @@ def test_incompatible_decode_peer_is_a_clear_error(cluster, prompt_ids):
     assert_no_leaks(cluster)
 
 
-def test_unclaimed_reservation_is_released_after_its_lease(cluster, prompt_ids):
-    decode = decodes(cluster)[0]
-    request = worker_pb2.ReserveBlocksRequest(
-        request_id="never-claimed", prompt_token_ids=prompt_ids[3],
-        sampling_params=params_to_proto(GREEDY))
+def test_unclaimed_or_abandoned_reservations_are_released_after_their_lease(cluster, prompt_ids):
+    """'never-claimed' gets no Decode call; 'bad-claim' gets one with a bad first token, which
+    fails while (as far as the decode worker knows) KV may still arrive. The lease frees both."""
+    decode, prompt = decodes(cluster)[0], prompt_ids[3]
+
+    def reserve(request_id):
+        return worker_pb2.ReserveBlocksRequest(request_id=request_id, prompt_token_ids=prompt,
+                                               sampling_params=params_to_proto(GREEDY))
+
+    def decode_request(request_id, first_token):
+        return worker_pb2.DecodeRequest(request_id=request_id, token_ids=[*prompt, first_token],
+                                        num_prompt_tokens=len(prompt), reservation_id=request_id)
+
     with grpc.insecure_channel(decode.address) as channel:
         stub = worker_pb2_grpc.DecodeServiceStub(channel)
-        reply = stub.ReserveBlocks(request, timeout=5)
-        assert reply.reservation.lease_ms == LEASE_MS
+        replies = [stub.ReserveBlocks(reserve(r), timeout=5) for r in ("never-claimed", "bad-claim")]
+        assert [r.reservation.lease_ms for r in replies] == [LEASE_MS, LEASE_MS]
         stats = decode.stats()
-        assert stats.num_free_blocks == stats.num_total_blocks - len(reply.reservation.block_ids)
+        assert stats.num_free_blocks == stats.num_total_blocks - sum(
+            len(r.reservation.block_ids) for r in replies)
         with pytest.raises(grpc.RpcError) as err:
-            stub.ReserveBlocks(request, timeout=5)
+            stub.ReserveBlocks(reserve("never-claimed"), timeout=5)
         assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.Decode(decode_request("bad-claim", 10**6), timeout=5))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "exactly one token in [0, 49152)" in err.value.details()
         time.sleep(LEASE_MS / 1000)
         assert_no_leaks(cluster, timeout_s=2.0)
-        late = stub.Decode(worker_pb2.DecodeRequest(
-            request_id="never-claimed", token_ids=[*prompt_ids[3], 1],
-            num_prompt_tokens=len(prompt_ids[3]), reservation_id="never-claimed"), timeout=5)
         with pytest.raises(grpc.RpcError) as err:
-            next(late)
+            next(stub.Decode(decode_request("never-claimed", 1), timeout=5))
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
 
 
