@@ -1,12 +1,13 @@
 """One token-accounting scheduler (vLLM v1 style), for every role.
 
 Each step, running requests go first (decode tokens with their draft tokens, then the next
-prefill chunks), then waiting requests fill what is left of the token budget. There is no prefill or
-decode phase: a request is scheduled ``num_tokens_with_spec - num_computed_tokens`` tokens,
-capped by the budget. When the KV pool runs out, the newest running request is preempted
-by recompute: its blocks are freed and it goes back to the front of the waiting queue with
-all its tokens, to be recomputed later (its request-local RNG state is kept, so a seeded
-request gives the same tokens).
+prefill chunks), then waiting requests fill what is left of the token budget. There is no
+prefill or decode phase: a request is scheduled ``num_tokens_with_spec - num_computed_tokens``
+tokens, capped by the budget. When the KV pool runs out, the newest running request is
+preempted by recompute: its blocks are freed and it goes back to the front of the waiting
+queue with all its tokens, to be recomputed later (its request-local RNG state is kept, so a
+seeded request gives the same tokens). A request queued with KV that landed from a prefill
+worker gives its blocks up before the last running request would preempt itself.
 
 The role changes only admission and stopping: PREFILL stops after the first token and keeps
 its blocks until the caller releases them (they are being sent); DECODE admits requests
