@@ -68,8 +68,11 @@ class Child:
                 argv = [sys.executable, "-c", _DEATHSIG_SHIM, str(os.getpid()), *self.argv]
             else:
                 argv = [sys.executable, *self.argv]
+            # Own session: a terminal's Ctrl-C reaches only `up`, which stops the children in
+            # order (router first); PDEATHSIG still ties them to `up`.
             self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
 
     def log_tail(self, num_lines: int = 25) -> str:
         try:

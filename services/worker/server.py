@@ -89,6 +89,7 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
     finally:
         await handler.close()
         runtime.engine.stop()
+        log.info("%s worker %s stopped", runtime.role.value, runtime.worker_id)
 
 
 def run_worker(argv: Sequence[str] | None, parser: argparse.ArgumentParser, role: Role,
