@@ -125,7 +125,7 @@ class EngineCore:
                        params: SamplingParams) -> list[int] | None:
         """DECODE role: validate the request and reserve blocks for its prompt's KV, which a
         prefill worker will write. Returns the block ids, or None when the pool is full."""
-        self._validate(prompt_token_ids, params)
+        params = self._validate(prompt_token_ids, params)
         if params.n != 1:
             raise ValueError("a disaggregated request carries one sample (n=1) per decode request")
         generator = torch.Generator(device=self.runner.device) if params.seed is not None else None

@@ -37,6 +37,7 @@ from pathlib import Path
 from services.common.grpc_server import DEFAULT_GRACE_S
 from services.common.health import SERVING, check_health
 from services.common.settings import add_env_argument
+from services.worker.settings import add_spec_arguments
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -104,11 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="split this process's CPUs: prefill workers on one half, decode workers on the other")
     add(parser, "--worker-args", default="",
         help="extra flags for every worker, e.g. '--num-kv-blocks 256'")
+    add_spec_arguments(parser)
     add(parser, "--log-dir", default="", help="children's logs (default: a new temp dir)")
     add(parser, "--startup-timeout-s", type=float, default=300.0, help="wait this long for SERVING")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGINT/SIGTERM, seconds in-flight requests may still run")
     return parser
+
+
+def spec_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative-decoding flags ``up`` forwards to decode workers."""
+    if args.spec_method is None:
+        return []
+    argv = ["--spec-method", args.spec_method, "--spec-k", str(args.spec_k),
+            "--spec-max-batch", str(args.spec_max_batch)]
+    if args.draft_model:
+        argv += ["--draft-model", args.draft_model]
+    if args.spec_layers:
+        argv += ["--spec-layers", str(args.spec_layers)]
+    return argv
 
 
 def free_port() -> int:
@@ -157,7 +172,8 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *model, *pinning, *extra],
+                    "--drain-grace-s", str(args.drain_grace_s), *model, *pinning, *extra,
+                    *(spec_argv(args) if role == "decode" else [])],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
                    "--grpc-port", str(args.grpc_port), *model]

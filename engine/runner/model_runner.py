@@ -72,7 +72,8 @@ class ModelRunner:
             token_ids = (request.all_token_ids + request.spec_token_ids)[start:start + num_new]
             reaches_end = start + num_new >= request.num_tokens
             wants_prompt = (request.sampling_params.prompt_logprobs is not None
-                            and start < request.num_prompt_tokens)
+                            and start < request.num_prompt_tokens
+                            and request.num_output_tokens == 0)  # a recompute needs none
             num_logits = num_new if wants_prompt else int(reaches_end)
             if request.spec_token_ids:  # the last token + k drafts: k + 1 positions to verify
                 num_logits = max(num_logits, len(request.spec_token_ids) + 1)

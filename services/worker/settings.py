@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
+from engine.config import SPEC_METHODS, CacheConfig, EngineConfig, Role, SchedulerConfig, SpecConfig
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
 from services.common.settings import add_env_argument
 
@@ -46,7 +46,29 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
         help="log level (DEBUG: one line per request with its timings)")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight RPCs may still run")
+    if role == Role.DECODE:
+        add_spec_arguments(parser)
     return parser
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags (decode workers and ``pdserve up``)."""
+    add = add_env_argument
+    add(parser, "--spec-method", choices=SPEC_METHODS, default=None,
+        help="speculative decoding proposer (default: off)")
+    add(parser, "--spec-k", type=int, default=4, help="most draft tokens per step")
+    add(parser, "--draft-model", default=None, help="draft model path for --spec-method draft")
+    add(parser, "--spec-layers", type=int, default=None,
+        help="layers of the target used as the drafter for --spec-method layer-skip")
+    add(parser, "--spec-max-batch", type=int, default=8,
+        help="no speculation at or above this many running requests")
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    return SpecConfig(method=getattr(args, "spec_method", None), k=getattr(args, "spec_k", 4),
+                      draft_model=getattr(args, "draft_model", None),
+                      num_layers=getattr(args, "spec_layers", None),
+                      max_batch=getattr(args, "spec_max_batch", 8))
 
 
 def engine_config(args: argparse.Namespace, role: Role, loaded: LoadedModel) -> tuple[EngineConfig, LoadedModel]:
@@ -61,6 +83,7 @@ def engine_config(args: argparse.Namespace, role: Role, loaded: LoadedModel) -> 
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens, role=role),
+        spec=spec_config(args),
         device=args.device, dtype=args.dtype)
     return config, loaded
 
