@@ -139,7 +139,11 @@ def _extend(query, key_cache, value_cache, block_table, seq_len, start, end, sca
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Q, S]
         causal = False
-    res = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=causal, scale=scale,
-                                         enable_gqa=True)
-    out[start:end] = res.transpose(0, 1).to(out.dtype)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # expand KV heads: SDPA's fused CPU kernel does not take enable_gqa
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # [1, H, S, D]: the fused CPU kernel wants a batch dimension
+    res = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=mask,
+                                         is_causal=causal, scale=scale)
+    out[start:end] = res[0].transpose(0, 1).to(out.dtype)
