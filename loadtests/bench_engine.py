@@ -14,6 +14,7 @@ on both sides.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -21,6 +22,18 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_model
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int):
+    """HF computes with torch's own BLAS and thread pool: give it every core while it runs
+    (pdserve's engine sets torch to one thread and lets OpenBLAS use the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -72,6 +85,23 @@ def hf_decode_rate(hf, prompts: list[list[int]], num_tokens: int, repeats: int) 
     return len(prompts) * num_tokens / (t_full - t_first)
 
 
+def hf_baseline(model: str | None, long_prompt, batch1, batch16, args) -> list[float]:
+    """HF transformers on the same weights and prompts: prefill, batch-1 and batch-16 decode."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.default_model import default_model_path
+    path = model or default_model_path()
+    directory, name = os.path.split(path)
+    hf_kwargs = {"gguf_file": name} if name.endswith(".gguf") else {}
+    hf = AutoModelForCausalLM.from_pretrained(directory if hf_kwargs else path,
+                                              dtype=torch.float32, **hf_kwargs).eval()
+    with torch.inference_mode():
+        hf(torch.tensor(long_prompt))
+        t = _best_of(lambda: hf(torch.tensor(long_prompt)), args.repeats)
+    return [1024 / t, hf_decode_rate(hf, batch1, args.decode_tokens, args.repeats),
+            hf_decode_rate(hf, batch16, args.decode_tokens, args.repeats)]
+
+
 def throughput(llm: LLM, tokenizer, concurrency: int, max_tokens: int) -> float:
     prompts = prompts_of_length(tokenizer, 64, concurrency)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -89,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}")
+    print(f"torch {torch.__version__}, cpu count {os.cpu_count()}; pdserve: OpenBLAS matmuls on "
+          f"every core, torch ops on one thread; HF: torch with {len(os.sched_getaffinity(0))} threads")
 
     t0 = time.perf_counter()
     loaded = load_model(args.model)
@@ -110,24 +141,16 @@ def main(argv: list[str] | None = None) -> None:
     ours_b16 = pdserve_decode_rate(llm, batch16, args.decode_tokens, args.repeats)
 
     weight_bytes = llm.engine.runner.model.weight_bytes
-    copy_bw, read_bw = memcpy_bandwidth()
+    with torch_threads(len(os.sched_getaffinity(0))):  # the machine's bandwidth, every core
+        copy_bw, read_bw = memcpy_bandwidth()
     rows = [("prefill tokens/s (1 x 1024)", prefill_tps, None),
             ("decode tokens/s batch 1", ours_b1, None),
             ("decode tokens/s batch 16", ours_b16, None)]
 
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-        path = args.model or __import__("engine.models.default_model", fromlist=["x"]).default_model_path()
-        directory, name = os.path.split(path)
-        hf_kwargs = {"gguf_file": name} if name.endswith(".gguf") else {}
-        hf = AutoModelForCausalLM.from_pretrained(directory if hf_kwargs else path,
-                                                  dtype=torch.float32, **hf_kwargs).eval()
-        with torch.inference_mode():
-            hf(torch.tensor(long_prompt))
-            t = _best_of(lambda: hf(torch.tensor(long_prompt)), args.repeats)
-        rows[0] = (rows[0][0], prefill_tps, 1024 / t)
-        rows[1] = (rows[1][0], ours_b1, hf_decode_rate(hf, batch1, args.decode_tokens, args.repeats))
-        rows[2] = (rows[2][0], ours_b16, hf_decode_rate(hf, batch16, args.decode_tokens, args.repeats))
+        with torch_threads(len(os.sched_getaffinity(0))):
+            hf_rates = hf_baseline(args.model, long_prompt, batch1, batch16, args)
+        rows = [(name, ours, theirs) for (name, ours, _), theirs in zip(rows, hf_rates)]
 
     print(f"\n{'metric':34s} {'pdserve':>10s} {'HF':>10s} {'ratio':>7s}")
     for name, ours, theirs in rows:

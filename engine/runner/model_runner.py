@@ -15,6 +15,7 @@ from engine.kv_cache.storage import allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import LoadedModel
 from engine.request import Request
+from engine.runner.cpu_threads import configure_cpu_threads
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from engine.sampling.logprobs import compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata
@@ -38,6 +39,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.backend = select_backend(self.device)
         dtype = getattr(torch, config.dtype)
+        if self.device.type == "cpu" and dtype == torch.float32:
+            configure_cpu_threads(config.num_threads)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, get_ops(self.backend),
                                       self.device, dtype)
         self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)

@@ -84,7 +84,7 @@ def engine_config(args: argparse.Namespace, role: Role, loaded: LoadedModel) -> 
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens, role=role),
         spec=spec_config(args),
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, num_threads=args.num_threads)
     return config, loaded
 
 
