@@ -86,8 +86,12 @@ class DisaggregatedBackend(Backend):
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")
         if params.n == 1:
-            async for event in self._pipeline(request_id, prompt, params, 0):
-                yield event
+            pipeline = self._pipeline(request_id, prompt, params, 0)
+            try:
+                async for event in pipeline:
+                    yield event
+            finally:  # the frontend closing us must release both workers now, not at GC
+                await pipeline.aclose()
             return
         queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._pump(f"{request_id}/{i}", prompt, params.for_sample(i),

@@ -13,8 +13,10 @@ while later chunks compute. The test that kills a decode worker runs last.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -40,6 +42,10 @@ PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea. The waves roll in and out, the gulls cry overhead, and",
     " ".join(["In the beginning the universe was created."] * 14) + " This has made a lot of",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "La capitale de l'Italie est",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -153,6 +159,41 @@ def test_greedy_matches_offline(cluster, llm, prompt_ids, transfer):
     expected = offline(llm, prompt_ids, GREEDY)
     results = through_router(cluster, transfer, prompt_ids, GREEDY)
     assert [[r[0]] for r in results] == expected
+    assert_no_leaks(cluster)
+
+
+def _http_completion(router_process, prompt: list[int], stream: bool) -> tuple[list[int], str]:
+    """(token ids, text) of one /v1/completions call to a router's OpenAI HTTP server."""
+    port = router_process.args[router_process.args.index("--http-port") + 1]
+    body = json.dumps({"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0.0,
+                       "stream": stream, "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        if not stream:
+            choice = json.loads(reply.read())["choices"][0]
+            return choice["token_ids"], choice["text"]
+        token_ids, text, done = [], "", False
+        for line in reply:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                choice = json.loads(line[6:])["choices"][0]
+                token_ids += choice.get("token_ids", [])
+                text += choice.get("text", "")
+        assert done, "the SSE stream did not end with [DONE]"
+        return token_ids, text
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "nixl"])
+def test_http_streaming_and_not_match_offline(cluster, llm, prompt_ids, transfer):
+    expected = offline(llm, prompt_ids, GREEDY)
+    for ids, ((want_ids, _),) in zip(prompt_ids, expected):
+        plain_ids, plain_text = _http_completion(router(cluster, transfer), ids, stream=False)
+        streamed_ids, streamed_text = _http_completion(router(cluster, transfer), ids, stream=True)
+        assert plain_ids == want_ids and streamed_ids == want_ids
+        assert streamed_text == plain_text == llm.tokenizer.decode(want_ids)
     assert_no_leaks(cluster)
 
 

@@ -1,5 +1,5 @@
-"""Speculative decoding on a real decode worker: greedy output through the disaggregated
-cluster equals the offline engine without speculation, and no block leaks."""
+"""Speculative decoding on a real decode worker, for each proposer: greedy output through the
+disaggregated cluster equals the offline engine without speculation, and no block leaks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.default_model import default_model_path
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from tests.integration.cluster_fixtures import (
     start_router,
@@ -21,12 +22,19 @@ pytestmark = pytest.mark.slow
 CODE = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 
 
-@pytest.fixture(scope="module")
-def spec_cluster(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("spec-cluster")
+SPEC_ARGS = {
+    "ngram": ("--spec-method", "ngram"),
+    "layer-skip": ("--spec-method", "layer-skip", "--spec-layers", "6"),
+    "draft": ("--spec-method", "draft", "--draft-model", default_model_path()),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPEC_ARGS))
+def spec_cluster(request, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp(f"spec-cluster-{request.param}")
     common = ("--num-kv-blocks", "128", "--max-model-len", "512")
     prefill = start_worker("prefill", log_dir, *common, transfer="grpc")
-    decode = start_worker("decode", log_dir, *common, "--spec-method", "ngram", "--spec-k", "4",
+    decode = start_worker("decode", log_dir, *common, *SPEC_ARGS[request.param], "--spec-k", "4",
                           transfer="grpc")
     processes = [prefill, decode]
     try:
@@ -39,7 +47,7 @@ def spec_cluster(tmp_path_factory):
         stop_all(processes)
 
 
-def test_ngram_speculation_through_the_cluster_equals_offline(spec_cluster, loaded_model):
+def test_speculation_through_the_cluster_equals_offline(spec_cluster, loaded_model):
     router, workers = spec_cluster
     tok = loaded_model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": "Repeat this code exactly:\n" + CODE}]),
