@@ -84,15 +84,14 @@ def _agent_name(role: str) -> str:
     return f"pdserve-{role}-grpc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class GrpcKVReceiver(KVReceiver):
-    """Decode side of the gRPC transport. The servicer writes; the engine drains notifications."""
+class _GrpcEndpoint:
+    """What both ends of the gRPC transport share: the registered cache and its handshake."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, role: str) -> None:
         self.model_name = model_name
-        self.agent_name = _agent_name("decode")
+        self.agent_name = _agent_name(role)
         self.kv_cache: torch.Tensor | None = None
         self._handshake: KVHandshake | None = None
-        self._landed: collections.deque[KVNotification] = collections.deque()  # thread-safe
 
     def register(self, kv_cache: torch.Tensor) -> None:
         self._handshake = _local_handshake(self.model_name, kv_cache, self.agent_name)
@@ -102,6 +101,14 @@ class GrpcKVReceiver(KVReceiver):
         if self._handshake is None:
             raise KVTransferError("call register(kv_cache) before handshake_info()")
         return self._handshake
+
+
+class GrpcKVReceiver(_GrpcEndpoint, KVReceiver):
+    """Decode side of the gRPC transport. The servicer writes; the engine drains notifications."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name, "decode")
+        self._landed: collections.deque[KVNotification] = collections.deque()  # thread-safe
 
     def completed_requests(self) -> list[KVNotification]:
         drained = []
@@ -213,7 +220,7 @@ def fetch_remote_handshake(address: str, local: KVHandshake,
     return handshake_from_proto(reply)
 
 
-class GrpcKVSender(KVSender):
+class GrpcKVSender(_GrpcEndpoint, KVSender):
     """Prefill side of the gRPC transport: PushBlocks streams on a small thread pool.
 
     ``send_blocks`` gathers the source blocks at once (so they may be reused as soon as it
@@ -225,25 +232,13 @@ class GrpcKVSender(KVSender):
         if not 0 < max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_MESSAGE_BYTES // 2}], "
                              f"got {max_chunk_bytes}")
-        self.model_name = model_name
-        self.agent_name = _agent_name("prefill")
+        super().__init__(model_name, "prefill")
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
-        self.kv_cache: torch.Tensor | None = None
-        self._handshake: KVHandshake | None = None
         self._pool = ThreadPoolExecutor(max_concurrent_pushes, thread_name_prefix="kv-push")
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._pushes: dict[int, Future[kv_pb2.PushBlocksAck]] = {}
-
-    def register(self, kv_cache: torch.Tensor) -> None:
-        self._handshake = _local_handshake(self.model_name, kv_cache, self.agent_name)
-        self.kv_cache = kv_cache
-
-    def handshake_info(self) -> KVHandshake:
-        if self._handshake is None:
-            raise KVTransferError("call register(kv_cache) before handshake_info()")
-        return self._handshake
 
     def connect(self, remote: KVHandshake, address: str = "") -> RemoteInfo:
         if not address:
