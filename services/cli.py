@@ -3,7 +3,7 @@
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
     pdserve serve router|prefill|decode|kvstore [...]
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
-    pdserve bench engine [...]
+    pdserve bench engine|spec|kv [...]  (loadtests/bench_engine.py, bench_spec.py, bench_kv_transfer.py)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
 """
