@@ -3,7 +3,7 @@
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
     pdserve serve router|prefill|decode|kvstore [...]
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
-    pdserve bench engine|spec|kv [...]  (loadtests/bench_engine.py, bench_spec.py, bench_kv_transfer.py)
+    pdserve bench engine|spec|kv|disagg [...]  (loadtests/bench_*.py)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
 """
@@ -23,6 +23,7 @@ COMMANDS = {
     ("bench", "engine"): "loadtests.bench_engine",
     ("bench", "spec"): "loadtests.bench_spec",
     ("bench", "kv"): "loadtests.bench_kv_transfer",
+    ("bench", "disagg"): "loadtests.bench_disagg",
 }
 
 USAGE = "usage: pdserve {" + " | ".join(" ".join(k) for k in COMMANDS) + "} [options]"
