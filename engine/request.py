@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,6 +33,40 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self.value in ("stop", "length", "abort", "error")
+
+
+class TokenView(Sequence):
+    """Consecutive token lists read as one sequence without concatenating them: indexing and
+    slicing copy only what is read, so per-step readers stay O(slice), not O(context)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, *parts: list[int]) -> None:
+        self._parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self._parts)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("TokenView slices take no step")
+            out: list[int] = []
+            offset = 0
+            for part in self._parts:
+                lo, hi = max(start - offset, 0), min(stop - offset, len(part))
+                if lo < hi:
+                    out += part[lo:hi]
+                offset += len(part)
+            return out
+        if index < 0:
+            index += len(self)
+        for part in self._parts:
+            if 0 <= index < len(part):
+                return part[index]
+            index -= len(part)
+        raise IndexError("TokenView index out of range")
 
 
 class Request:
@@ -94,7 +129,18 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """A new list (O(context)): hot paths read ``token_view`` instead."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_view(self) -> TokenView:
+        """prompt + output, readable by index and slice without building the whole list."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
+
+    @property
+    def token_view_with_spec(self) -> TokenView:
+        """prompt + output + this step's draft tokens."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids, self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -72,7 +72,7 @@ class ModelRunner:
         for request in sched.scheduled:
             num_new = sched.num_scheduled_tokens[request.request_id]
             start = request.num_computed_tokens
-            token_ids = (request.all_token_ids + request.spec_token_ids)[start:start + num_new]
+            token_ids = request.token_view_with_spec[start:start + num_new]
             reaches_end = start + num_new >= request.num_tokens
             wants_prompt = (request.sampling_params.prompt_logprobs is not None
                             and start < request.num_prompt_tokens

@@ -291,7 +291,7 @@ class Scheduler:
             if self.enable_prefix_caching:
                 self._update_block_hashes(request)
                 self.kv_manager.cache_blocks(request.request_id, request.block_hashes,
-                                             request.num_computed_tokens, request.all_token_ids)
+                                             request.num_computed_tokens, request.token_view)
             if not new_token_ids and not request.is_finished and self.config.role != Role.PREFILL:
                 continue
             output = self._output(request, new_token_ids)
@@ -399,7 +399,7 @@ class Scheduler:
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained block hashes to cover its full blocks."""
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            extend_block_hashes(request.block_hashes, request.token_view, self.block_size)
 
     @property
     def num_unfinished(self) -> int:

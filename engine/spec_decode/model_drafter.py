@@ -86,7 +86,7 @@ class LayerSkipDrafter:
 
     def draft(self, requests: list[Request], ks: list[int],
               block_ids: dict[str, list[int]]) -> list[Proposal]:
-        first = [ScheduledSeq([r.all_token_ids[-1]], r.num_tokens - 1, block_ids[r.request_id], 1)
+        first = [ScheduledSeq([r.token_view[-1]], r.num_tokens - 1, block_ids[r.request_id], 1)
                  for r in requests]
         return draft_autoregressive(requests, ks, first, self._forward,
                                     self.model.config.vocab_size, self.model.device, self.generator)
@@ -120,7 +120,10 @@ class DraftModelDrafter:
             fed = self.fed.setdefault(r.request_id, [])
             num_valid = _common_prefix(fed, tokens[:-1])  # the last token is fed this step
             del fed[num_valid:]
-            self.kv_manager.truncate(r.request_id, num_valid) if num_valid else self.kv_manager.free(r.request_id)
+            if num_valid:
+                self.kv_manager.truncate(r.request_id, num_valid)
+            else:
+                self.kv_manager.free(r.request_id)
             if self.kv_manager.allocate_slots(r.request_id, len(tokens) + ks[i] - 1,
                                               num_computed_tokens=num_valid) is None:
                 ks[i] = 0  # no room in the draft cache: verify without drafts this step
