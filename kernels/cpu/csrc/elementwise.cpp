@@ -1,0 +1,328 @@
+// The small per-layer ops of a Llama block, compiled for CPU: rms_norm (optionally fused with the
+// residual add), rotary (in place), store_kv (in place into the paged cache) and silu_and_mul.
+//
+// Same contracts as the torch references (kernels/rms_norm.py, rotary.py, store_kv.py,
+// activation.py), fp32 only. At batch 1 each op is a few hundred nanoseconds of arithmetic, so
+// what matters is staying out of torch's per-op machinery: one dispatcher call per op, checks
+// done here, and no parallel region unless there are enough rows (prefill) to pay for one.
+// Bad arguments raise ValueError (TORCH_CHECK_VALUE) naming the argument, like kernels/_checks.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <tuple>
+
+#include "vec.h"
+
+namespace pdserve {
+namespace {
+
+// A chunk of a parallel loop touches at least this many floats (tens of microseconds of work), so
+// only prefill-sized batches fork: waking the OpenMP workers costs microseconds on a quiet
+// machine and, on a busy one, up to a scheduler tick (measured: 11 ms for a 20 us op).
+constexpr int64_t kGrainElements = 1 << 16;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1));
+}
+
+std::string tuple_str(c10::IntArrayRef values) {
+  std::string s = "(";
+  for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
+  return s + (values.size() == 1 ? ",)" : ")");
+}
+
+std::string expected_shape_str(std::initializer_list<int64_t> shape) {
+  std::string s = "(";
+  size_t i = 0;
+  for (int64_t size : shape) s += (i++ ? ", " : "") + (size < 0 ? std::string("*") : std::to_string(size));
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    default: return c10::toString(t);
+  }
+}
+
+enum class Kind { kFloat32, kIndex };
+
+// kernels/_checks.check_tensor for this path: shape entries < 0 match any size; fp32 tensors must
+// have stride 1 in their last dim, index tensors may have any strides.
+void check_tensor(const char* name, const at::Tensor& t, std::initializer_list<int64_t> shape, Kind kind) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a torch.Tensor, got None");
+  TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(shape.size()), name, " must be ", shape.size(),
+                    "-d, got shape ", tuple_str(t.sizes()));
+  int64_t dim = 0;
+  for (int64_t want : shape) {
+    TORCH_CHECK_VALUE(want < 0 || t.size(dim) == want, name, " must have shape ", expected_shape_str(shape),
+                      ", got ", tuple_str(t.sizes()), " (dim ", dim, " differs)");
+    ++dim;
+  }
+  if (kind == Kind::kFloat32) {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, name,
+                      " must have dtype float32 (the compiled CPU kernels are fp32 only), got ",
+                      dtype_name(t.scalar_type()));
+  } else {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
+                      " must have dtype int64|int32, got ", dtype_name(t.scalar_type()));
+  }
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on cpu for the compiled CPU kernels, got ", t.device());
+  TORCH_CHECK_VALUE(kind == Kind::kIndex || t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, name,
+                    " must have stride 1 in its last dim, got strides ", tuple_str(t.strides()));
+}
+
+// Calls fn(ptr) with positions / slot_mapping's data as int64_t* or int32_t*.
+template <typename Fn>
+void with_index_data(const at::Tensor& t, Fn&& fn) {
+  if (t.scalar_type() == at::kLong) fn(t.const_data_ptr<int64_t>());
+  else fn(t.const_data_ptr<int32_t>());
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight for one row of n floats.
+void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
+  vfloat acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vfloat v = vload(x + i);
+    acc += v * v;
+  }
+  float sum_squares = vsum(acc);
+  for (; i < n; ++i) sum_squares += x[i] * x[i];
+  const float inv_rms = 1.f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
+  const vfloat inv = vsplat(inv_rms);
+  for (i = 0; i + kLanes <= n; i += kLanes) vstore(out + i, vload(x + i) * inv * vload(weight + i));
+  for (; i < n; ++i) out[i] = x[i] * inv_rms * weight[i];
+}
+
+void check_rms_norm(const at::Tensor& x, const at::Tensor& weight) {
+  check_tensor("x", x, {-1, -1}, Kind::kFloat32);
+  check_tensor("weight", weight, {x.size(1)}, Kind::kFloat32);
+}
+
+// x: [N, H] (row stride free), weight: [H] -> out [N, H].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(x, weight);
+  const int64_t num_rows = x.size(0), hidden = x.size(1), stride_x = x.stride(0);
+  at::Tensor out = at::empty({num_rows, hidden}, x.options());
+  const float* x_ptr = x.const_data_ptr<float>();
+  const float* w_ptr = weight.const_data_ptr<float>();
+  float* out_ptr = out.mutable_data_ptr<float>();
+  at::parallel_for(0, num_rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      rms_norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * hidden, hidden, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual_out = x + residual; out = rms_norm(residual_out). Returns (out, residual_out).
+std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                     const at::Tensor& residual) {
+  check_rms_norm(x, weight);
+  check_tensor("residual", residual, {x.size(0), x.size(1)}, Kind::kFloat32);
+  const int64_t num_rows = x.size(0), hidden = x.size(1);
+  const int64_t stride_x = x.stride(0), stride_r = residual.stride(0);
+  at::Tensor out = at::empty({num_rows, hidden}, x.options());
+  at::Tensor residual_out = at::empty({num_rows, hidden}, x.options());
+  const float* x_ptr = x.const_data_ptr<float>();
+  const float* r_ptr = residual.const_data_ptr<float>();
+  const float* w_ptr = weight.const_data_ptr<float>();
+  float* out_ptr = out.mutable_data_ptr<float>();
+  float* sum_ptr = residual_out.mutable_data_ptr<float>();
+  at::parallel_for(0, num_rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* xr = x_ptr + row * stride_x;
+      const float* rr = r_ptr + row * stride_r;
+      float* sr = sum_ptr + row * hidden;
+      int64_t i = 0;
+      for (; i + kLanes <= hidden; i += kLanes) vstore(sr + i, vload(xr + i) + vload(rr + i));
+      for (; i < hidden; ++i) sr[i] = xr[i] + rr[i];
+      rms_norm_row(sr, w_ptr, out_ptr + row * hidden, hidden, static_cast<float>(eps));
+    }
+  });
+  return {out, residual_out};
+}
+
+// Rotates num_heads head vectors [x1 | x2] (head_dim = 2 * half) in place:
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+void rotate_heads(float* x, int64_t stride_head, int64_t num_heads, const float* cos, const float* sin,
+                  int64_t half) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* x1 = x + h * stride_head;
+    float* x2 = x1 + half;
+    int64_t i = 0;
+    for (; i + kLanes <= half; i += kLanes) {
+      const vfloat a = vload(x1 + i), b = vload(x2 + i), c = vload(cos + i), s = vload(sin + i);
+      vstore(x1 + i, a * c - b * s);
+      vstore(x2 + i, b * c + a * s);
+    }
+    for (; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * cos[i] - b * sin[i];
+      x2[i] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+
+// q: [N, Hq, D], k: [N, Hk, D] (views with free token/head strides), positions: [N],
+// cos_sin_cache: [max_pos, D] = [cos | sin]. In place.
+void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos_sin_cache) {
+  check_tensor("q", q, {-1, -1, -1}, Kind::kFloat32);
+  const int64_t num_tokens = q.size(0), head_dim = q.size(2);
+  TORCH_CHECK_VALUE(head_dim % 2 == 0, "q must have an even head_dim, got shape ", tuple_str(q.sizes()));
+  check_tensor("k", k, {num_tokens, -1, head_dim}, Kind::kFloat32);
+  check_tensor("positions", positions, {num_tokens}, Kind::kIndex);
+  check_tensor("cos_sin_cache", cos_sin_cache, {-1, head_dim}, Kind::kFloat32);
+  TORCH_CHECK_VALUE(cos_sin_cache.is_contiguous(), "cos_sin_cache must be contiguous, got strides ",
+                    tuple_str(cos_sin_cache.strides()));
+  const int64_t max_pos = cos_sin_cache.size(0), half = head_dim / 2;
+  const int64_t num_heads = q.size(1), num_kv_heads = k.size(1);
+  const int64_t stride_qt = q.stride(0), stride_qh = q.stride(1);
+  const int64_t stride_kt = k.stride(0), stride_kh = k.stride(1);
+  const int64_t stride_pos = positions.stride(0);
+  float* q_ptr = q.mutable_data_ptr<float>();
+  float* k_ptr = k.mutable_data_ptr<float>();
+  const float* cache_ptr = cos_sin_cache.const_data_ptr<float>();
+  with_index_data(positions, [&](const auto* pos) {
+    // Check every position before rotating anything: a bad one leaves q and k untouched.
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t p = pos[t * stride_pos];
+      TORCH_CHECK_VALUE(p >= 0 && p < max_pos, "positions must be in [0, ", max_pos,
+                        ") (the rows of cos_sin_cache), got ", p, " at token ", t);
+    }
+    const int64_t grain = grain_rows((num_heads + num_kv_heads) * head_dim);
+    at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = cache_ptr + static_cast<int64_t>(pos[t * stride_pos]) * head_dim;
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, num_heads, cos, cos + half, half);
+        rotate_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, cos + half, half);
+      }
+    });
+  });
+}
+
+// key/value: [N, Hkv, D]; key_cache/value_cache: [num_blocks, block_size, Hkv, D] strided views
+// (same strides); slot_mapping: [N], < 0 = skip. Copies each token's K and V into its slot.
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+              const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_tensor("key_cache", key_cache, {-1, -1, -1, -1}, Kind::kFloat32);
+  const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  check_tensor("value_cache", value_cache,
+               {key_cache.size(0), key_cache.size(1), num_kv_heads, head_dim}, Kind::kFloat32);
+  TORCH_CHECK_VALUE(value_cache.strides() == key_cache.strides(), "value_cache must have the strides of key_cache ",
+                    tuple_str(key_cache.strides()), ", got ", tuple_str(value_cache.strides()));
+  check_tensor("key", key, {-1, num_kv_heads, head_dim}, Kind::kFloat32);
+  const int64_t num_tokens = key.size(0);
+  check_tensor("value", value, {num_tokens, num_kv_heads, head_dim}, Kind::kFloat32);
+  check_tensor("slot_mapping", slot_mapping, {num_tokens}, Kind::kIndex);
+  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  const int64_t stride_kt = key.stride(0), stride_kh = key.stride(1);
+  const int64_t stride_vt = value.stride(0), stride_vh = value.stride(1);
+  const int64_t stride_cb = key_cache.stride(0), stride_co = key_cache.stride(1), stride_ch = key_cache.stride(2);
+  const int64_t stride_slot = slot_mapping.stride(0);
+  const size_t row_bytes = head_dim * sizeof(float);
+  const float* k_ptr = key.const_data_ptr<float>();
+  const float* v_ptr = value.const_data_ptr<float>();
+  float* kc_ptr = key_cache.mutable_data_ptr<float>();
+  float* vc_ptr = value_cache.mutable_data_ptr<float>();
+  with_index_data(slot_mapping, [&](const auto* slots) {
+    // Check every slot before writing any: a bad one leaves the cache untouched.
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slots[t * stride_slot];
+      TORCH_CHECK_VALUE(slot < num_slots, "slot_mapping must be < num_blocks * block_size = ", num_slots,
+                        " (or < 0 to skip), got ", slot, " at token ", t);
+    }
+    at::parallel_for(0, num_tokens, grain_rows(2 * num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slots[t * stride_slot];
+        if (slot < 0) continue;
+        const int64_t dst = (slot / block_size) * stride_cb + (slot % block_size) * stride_co;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          std::memcpy(kc_ptr + dst + h * stride_ch, k_ptr + t * stride_kt + h * stride_kh, row_bytes);
+          std::memcpy(vc_ptr + dst + h * stride_ch, v_ptr + t * stride_vt + h * stride_vh, row_bytes);
+        }
+      }
+    });
+  });
+}
+
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// e^x per lane, Cephes expf (about 1 ulp): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
+// polynomial, 2^n written into the exponent bits. Inputs clamp to [-87.3, 88.3], where 2^n stays a
+// normal float: e^x for x < -87.3 comes out ~1e-38 instead of smaller, which silu never notices.
+vfloat vexp(vfloat x) {
+  x = x < vsplat(88.3f) ? x : vsplat(88.3f);
+  x = x > vsplat(-87.3f) ? x : vsplat(-87.3f);
+  // Round x / ln2 to the nearest integer by adding 1.5 * 2^23: the integer lands in the low mantissa bits.
+  const vfloat shifter = vsplat(12582912.f);
+  const vfloat shifted = x * vsplat(1.44269504088896341f) + shifter;
+  const vfloat n = shifted - shifter;
+  vint n_int, shifter_bits;
+  std::memcpy(&n_int, &shifted, sizeof n_int);
+  std::memcpy(&shifter_bits, &shifter, sizeof shifter_bits);
+  n_int -= shifter_bits;
+  const vfloat r = x - n * vsplat(0.693359375f) - n * vsplat(-2.12194440e-4f);  // ln2 split in two
+  vfloat p = vsplat(1.9875691500e-4f);
+  p = p * r + vsplat(1.3981999507e-3f);
+  p = p * r + vsplat(8.3334519073e-3f);
+  p = p * r + vsplat(4.1665795894e-2f);
+  p = p * r + vsplat(1.6666665459e-1f);
+  p = p * r + vsplat(5.0000001201e-1f);
+  p = p * r * r + r + vsplat(1.f);
+  const vint exponent = (n_int + 127) << 23;
+  vfloat pow2n;
+  std::memcpy(&pow2n, &exponent, sizeof pow2n);
+  return p * pow2n;
+}
+
+// x: [N, 2I] = [gate | up] (row stride free) -> [N, I] = silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_tensor("x", x, {-1, -1}, Kind::kFloat32);
+  TORCH_CHECK_VALUE(x.size(1) % 2 == 0, "x must have an even last dim [N, 2*I], got shape ", tuple_str(x.sizes()));
+  const int64_t num_rows = x.size(0), inter = x.size(1) / 2, stride_x = x.stride(0);
+  at::Tensor out = at::empty({num_rows, inter}, x.options());
+  const float* x_ptr = x.const_data_ptr<float>();
+  float* out_ptr = out.mutable_data_ptr<float>();
+  // Each element costs an exp and a division: half the usual elements already make a chunk.
+  at::parallel_for(0, num_rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* gate = x_ptr + row * stride_x;
+      const float* up = gate + inter;
+      float* o = out_ptr + row * inter;
+      int64_t i = 0;
+      for (; i + kLanes <= inter; i += kLanes) {
+        const vfloat g = vload(gate + i);
+        vstore(o + i, g / (vsplat(1.f) + vexp(-g)) * vload(up + i));
+      }
+      for (; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace pdserve
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pdserve::rms_norm);
+  m.def("rms_norm_residual(Tensor x, Tensor weight, float eps, Tensor residual) -> (Tensor, Tensor)",
+        &pdserve::rms_norm_residual);
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache) -> ()", &pdserve::rotary);
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()",
+        &pdserve::store_kv);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &pdserve::silu_and_mul);
+}
