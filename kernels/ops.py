@@ -7,10 +7,14 @@
     ops.store_kv(key, value, key_cache, value_cache, slot_mapping)   in place
     ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
+    ops.pack_linear(w_t)                              -> weight handle, once at load
+    ops.linear(x, weight)                             -> x @ w_t
 
-'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'torch'
-runs the pure-torch references, which are also the production CPU path. Both backends share one
-contract per op; see each kernel module's docstring.
+'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' runs
+the compiled CPU kernels of ``kernels.cpu`` (fp32), the production CPU path. 'torch' runs the
+pure-torch references: the fallback where the CPU kernels cannot be built, and the oracle the
+other two are tested against. All backends share one contract per op; see each kernel module's
+docstring.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -32,20 +36,32 @@ class Ops:
     silu_and_mul: Callable
     store_kv: Callable
     paged_attention: Callable
+    pack_linear: Callable
+    linear: Callable
 
 
-def select_backend(device: torch.device | str) -> str:
-    """``$PDSERVE_ATTENTION_BACKEND`` if set, else 'triton' on CUDA and 'torch' elsewhere."""
+def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """``$PDSERVE_ATTENTION_BACKEND`` if set; else 'triton' on CUDA, 'cpu' for fp32 on a CPU
+    where the compiled kernels build, and 'torch' elsewhere."""
     forced = os.environ.get(BACKEND_ENV)
     if forced is not None:
         if forced not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV} must be one of {'|'.join(BACKENDS)}, got {forced!r}")
         return forced
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+    if torch.device(device).type == "cuda":
+        return "triton"
+    if dtype == torch.float32:
+        from kernels import cpu
+
+        if cpu.available():
+            return "cpu"
+    return "torch"
 
 
 def get_ops(backend: str) -> Ops:
-    """The op table of ``backend`` ('triton' or 'torch')."""
+    """The op table of ``backend`` ('triton', 'cpu' or 'torch')."""
+    from kernels.linear import linear_ref, pack_linear_ref
+
     if backend == "torch":
         from kernels.activation import silu_and_mul_ref
         from kernels.paged_attention_ref import paged_attention_ref
@@ -54,7 +70,16 @@ def get_ops(backend: str) -> Ops:
         from kernels.store_kv import store_kv_ref
 
         return Ops(rms_norm=rms_norm_ref, rotary=rotary_ref, silu_and_mul=silu_and_mul_ref,
-                   store_kv=store_kv_ref, paged_attention=paged_attention_ref)
+                   store_kv=store_kv_ref, paged_attention=paged_attention_ref,
+                   pack_linear=pack_linear_ref, linear=linear_ref)
+    if backend == "cpu":
+        from kernels.cpu import elementwise
+        from kernels.cpu.linear import linear, pack_weight
+        from kernels.paged_attention_ref import paged_attention_ref
+
+        return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
+                   silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
+                   paged_attention=paged_attention_ref, pack_linear=pack_weight, linear=linear)
     if backend == "triton":
         from kernels.activation import silu_and_mul
         from kernels.paged_attention import paged_attention
@@ -63,5 +88,6 @@ def get_ops(backend: str) -> Ops:
         from kernels.store_kv import store_kv
 
         return Ops(rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
-                   store_kv=store_kv, paged_attention=paged_attention)
+                   store_kv=store_kv, paged_attention=paged_attention,
+                   pack_linear=pack_linear_ref, linear=linear_ref)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")

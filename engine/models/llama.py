@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.config import ModelConfig
@@ -30,40 +29,37 @@ class AttentionMetadata:
     max_seqlen_q: int
 
 
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> contiguous [in, out]: the layout both BLAS paths stream fastest."""
-    return weight.t().contiguous()
-
-
-def make_matmul(device: torch.device, dtype: torch.dtype):
-    """x [M, in] @ w_t [in, out]. fp32 on CPU goes through numpy's OpenBLAS, which measured
-    about 2x faster than torch's CPU BLAS for the skinny products of decode and speculative
-    verification (M = 1..16) and no slower for prefill (docs/benchmarks.md); both share memory
-    with the tensors, nothing is copied."""
-    if device.type == "cpu" and dtype == torch.float32:
-        return lambda x, w_t: torch.from_numpy(np.matmul(x.numpy(), w_t.numpy()))
-    return torch.matmul
-
-
 class DecoderLayer:
-    """One layer's weights, pre-transposed to [in, out]; q/k/v and gate/up fused."""
+    """One layer's weights: the matmul weights as the backend's prepared handles of the
+    transposed [in, out] weight (``ops.pack_linear``), q/k/v and gate/up fused."""
 
     __slots__ = ("qkv_weight", "qkv_bias", "o_weight", "gate_up_weight", "down_weight",
                  "input_norm", "post_attention_norm")
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, ops: Ops) -> None:
         w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
-        self.qkv_weight = _transposed(torch.cat(
-            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]))
+        pack = lambda *names: ops.pack_linear(torch.cat([w(n) for n in names]).t())  # noqa: E731
+        self.qkv_weight = pack("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                               "self_attn.v_proj.weight")
         bias_names = [f"{prefix}.self_attn.{p}_proj.bias" for p in "qkv"]
         self.qkv_bias = (torch.cat([weights[n] for n in bias_names])
                          if all(n in weights for n in bias_names) else None)
-        self.o_weight = _transposed(w("self_attn.o_proj.weight"))
-        self.gate_up_weight = _transposed(
-            torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down_weight = _transposed(w("mlp.down_proj.weight"))
+        self.o_weight = pack("self_attn.o_proj.weight")
+        self.gate_up_weight = pack("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        self.down_weight = pack("mlp.down_proj.weight")
         self.input_norm = w("input_layernorm.weight")
         self.post_attention_norm = w("post_attention_layernorm.weight")
+
+
+def _step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Bytes of weights one forward step reads: all but the embedding (one row per token),
+    plus the LM head once (the tied embedding's transposed copy when there is no lm_head)."""
+    total = sum(t.numel() * t.element_size() for name, t in weights.items()
+                if name != "model.embed_tokens.weight")
+    if "lm_head.weight" not in weights:
+        embed = weights["model.embed_tokens.weight"]
+        total += embed.numel() * embed.element_size()
+    return total
 
 
 class LlamaForCausalLM:
@@ -77,28 +73,18 @@ class LlamaForCausalLM:
         self.device = torch.device(device)
         self.dtype = dtype
         weights = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
-        self.matmul = make_matmul(self.device, dtype)
+        self.weight_bytes = _step_weight_bytes(weights)
         self.embed_tokens = weights["model.embed_tokens.weight"]
         # Tied embeddings: the LM head is a second, transposed copy (read once per step).
-        self.lm_head = _transposed(weights.get("lm_head.weight", self.embed_tokens))
+        self.lm_head = ops.pack_linear(weights.get("lm_head.weight", self.embed_tokens).t())
         self.norm = weights["model.norm.weight"]
-        self.layers = [DecoderLayer(weights, f"model.layers.{i}") for i in range(config.num_layers)]
+        self.layers = [DecoderLayer(weights, f"model.layers.{i}", ops) for i in range(config.num_layers)]
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.cos_sin_cache = build_cos_sin_cache(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
         ).to(self.device)
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of weights read by one forward step (the LM head counted once)."""
-        tensors = [self.lm_head, self.norm]  # the embedding reads one row per token
-        for layer in self.layers:
-            tensors += [t for t in (layer.qkv_weight, layer.qkv_bias, layer.o_weight,
-                                    layer.gate_up_weight, layer.down_weight, layer.input_norm,
-                                    layer.post_attention_norm) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -108,7 +94,8 @@ class LlamaForCausalLM:
 
         Returns hidden states [T, hidden] after the final norm. ``num_layers`` runs only the
         first layers (layer-skip self-speculation shares those layers' KV)."""
-        cfg, ops, mm = self.config, self.ops, self.matmul
+        cfg, ops = self.config, self.ops
+        mm = ops.linear
         num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens[input_ids]
         residual = None
@@ -139,4 +126,4 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
-        return self.matmul(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()

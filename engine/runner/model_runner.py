@@ -37,10 +37,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.backend = select_backend(self.device)
         dtype = getattr(torch, config.dtype)
+        self.backend = select_backend(self.device, dtype)
         if self.device.type == "cpu" and dtype == torch.float32:
-            configure_cpu_threads(config.num_threads)
+            configure_cpu_threads(config.num_threads, self.backend)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, get_ops(self.backend),
                                       self.device, dtype)
         self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)

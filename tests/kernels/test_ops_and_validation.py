@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels import cpu as cpu_kernels
 from kernels.block_copy import copy_blocks_ref, gather_blocks, gather_blocks_ref, scatter_blocks_ref
 from kernels.ops import BACKEND_ENV, Ops, get_ops, select_backend
 from kernels.paged_attention import paged_attention, paged_attention_ref
@@ -18,9 +19,10 @@ from kernels.store_kv import store_kv, store_kv_ref
 from tests.kernels.helpers import DEVICE, make_attention_case, make_kv_cache, requires_triton
 
 
-def test_select_backend_by_device(monkeypatch):
+def test_select_backend_by_device_and_dtype(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    assert select_backend("cpu") == "torch"
+    assert select_backend("cpu") == ("cpu" if cpu_kernels.available() else "torch")
+    assert select_backend("cpu", torch.bfloat16) == "torch"  # the compiled CPU kernels are fp32
     assert select_backend(torch.device("cuda", 0)) == "triton"
 
 
@@ -29,6 +31,8 @@ def test_select_backend_env_override(monkeypatch):
     assert select_backend("cpu") == "triton"
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert select_backend("cuda") == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "cpu")
+    assert select_backend("cpu", torch.bfloat16) == "cpu"
     monkeypatch.setenv(BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match=BACKEND_ENV):
         select_backend("cpu")
@@ -39,7 +43,7 @@ def test_get_ops_tables():
     assert torch_ops.paged_attention is paged_attention_ref and torch_ops.rms_norm is rms_norm_ref
     assert triton_ops.paged_attention is paged_attention and triton_ops.store_kv is store_kv
     assert {f.name for f in dataclasses.fields(Ops)} == {
-        "rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention"}
+        "rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "pack_linear", "linear"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         torch_ops.rms_norm = None
     with pytest.raises(ValueError, match="backend"):
