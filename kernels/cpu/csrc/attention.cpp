@@ -1,0 +1,432 @@
+// Paged attention on CPU, reading K/V rows in place from the block-paged cache (no gather).
+//
+// Contract: kernels/paged_attention_ref.py (module docstring); fp32 only. One kernel serves
+// every query length: decode (q_len 1), spec verification, chunked prefill on a prefix.
+//
+// Work item = (sequence, KV head, tile of up to kRowsPerItem query rows). The `group` query
+// heads that share the KV head are processed together, so each K/V row is read from the cache
+// once per item. Keys stream in tiles of at most kLanes that stay inside one block:
+//
+//   for each key tile [t0, t1):            (t1 <= last query position + 1: causal)
+//     s[i][j]  = (q_i * scale * log2e) . K_j      one score per (query, key), -inf if masked
+//     m_i, l_i, acc_i  <- online softmax update with p[i][j] = 2^(s[i][j] - m_i)
+//     acc_i   += p[i][j] * V_j
+//   out_i = acc_i / l_i
+//
+// Items go to threads through one atomic counter, longest first, so a long prefill chunk in a
+// batch of decodes does not leave a thread idle behind a static split. When there are fewer
+// than kItemsPerThread items per thread (batch-1 decode over a long context: 3 items for 2
+// threads), items split their keys into parts of >= kMinSplitKeys whose partial softmax
+// results merge afterwards (split-KV). Tiny batches (< kSerialCost) stay on the calling thread.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "vec.h"
+
+namespace pdserve {
+namespace {
+
+constexpr int kRowsPerItem = 8;        // query rows (tokens) per work item
+constexpr int kMaxHeadVectors = 16;    // head_dim up to 256
+constexpr int64_t kSerialCost = 8192;  // below this many (query head x key) dot products: one thread
+constexpr int64_t kItemsPerThread = 8;  // fewer items than this per thread: split their keys
+constexpr int64_t kMinSplitKeys = 256;  // ... into parts of at least this many keys
+
+typedef int vint __attribute__((vector_size(kLanes * sizeof(int))));
+
+// Lane permutations for the reductions below (GCC __builtin_shuffle: index >= kLanes picks
+// from the second operand).
+constexpr vint kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+constexpr vint kSwap[4] = {kIota ^ 8, kIota ^ 4, kIota ^ 2, kIota ^ 1};  // lane <-> lane ^ w
+// fold at width w: within each 2w-lane group, the first w lanes come from a, the next w from b
+constexpr vint kFoldLo[4] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+constexpr vint kFoldHi[4] = {kFoldLo[0] + 8, kFoldLo[1] + 4, kFoldLo[2] + 2, kFoldLo[3] + 1};
+// after the four folds, lane j holds the sum of input bit_reversed(j)
+constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// Tree reductions (vec.h's vsum / vmax_lane go lane by lane, a 15-step dependency chain).
+inline float hsum(vfloat v) {
+  for (const vint& swap : kSwap) v += __builtin_shuffle(v, swap);
+  return v[0];
+}
+
+inline float hmax(vfloat v) {
+  for (const vint& swap : kSwap) {
+    vfloat other = __builtin_shuffle(v, swap);
+    v = v > other ? v : other;
+  }
+  return v[0];
+}
+
+// sixteen vectors -> one: lane j = the lane sum of rows[kBitReversed[j]] (15 adds, 30 shuffles
+// instead of sixteen separate hsums)
+inline vfloat transpose_sum(vfloat* rows) {
+  int count = kLanes;
+  for (int level = 0; level < 4; ++level) {
+    count /= 2;
+    for (int r = 0; r < count; ++r) {
+      const vfloat a = rows[2 * r], b = rows[2 * r + 1];
+      rows[r] = __builtin_shuffle(a, b, kFoldLo[level]) + __builtin_shuffle(a, b, kFoldHi[level]);
+    }
+  }
+  return rows[0];
+}
+
+// 2^x for x <= 0 (Cephes exp2f polynomial on [-0.5, 0.5], relative error ~2e-7); exactly 0
+// below -127, so masked scores (-inf) get weight 0.
+inline vfloat vexp2(vfloat x) {
+  x = x < -127.f ? vsplat(-127.f) : x;
+  vfloat shifted = x + 0.5f;
+  vfloat n = __builtin_convertvector(__builtin_convertvector(shifted, vint), vfloat);
+  n = n > shifted ? n - 1.f : n;  // truncation rounded negatives up: floor(x + 0.5)
+  vfloat f = x - n;
+  vfloat p = vsplat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  vint bits = (__builtin_convertvector(n, vint) + 127) << 23;  // 2^n; n = -127 gives +0
+  vfloat two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// Ask for the K or V rows of the next block while this one computes: block ids are scattered,
+// so the hardware prefetcher cannot guess the jump.
+inline void prefetch_rows(const float* rows, int64_t num_rows, int64_t stride, int nv) {
+  for (int64_t j = 0; j < num_rows; ++j)
+    for (int c = 0; c < nv; ++c) __builtin_prefetch(rows + j * stride + c * kLanes);
+}
+
+// Integer tensors may be int32 or int64; read one element either way.
+struct IndexView {
+  const void* data;
+  int64_t stride;
+  bool is_int64;
+
+  explicit IndexView(const at::Tensor& t)  // 1-d
+      : data(t.data_ptr()), stride(t.stride(0)), is_int64(t.scalar_type() == at::kLong) {}
+
+  int64_t operator[](int64_t i) const {
+    return is_int64 ? static_cast<const int64_t*>(data)[i * stride]
+                    : static_cast<const int32_t*>(data)[i * stride];
+  }
+};
+
+struct Layout {
+  const float* query;  // [num_tokens, num_heads, head_dim]
+  int64_t q_stride_token, q_stride_head;
+  const float* key;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const float* value;
+  int64_t k_stride_block, k_stride_slot, k_stride_head;
+  int64_t v_stride_block, v_stride_slot, v_stride_head;
+  float* out;
+  int64_t o_stride_token, o_stride_head;
+  const void* block_tables;
+  int64_t bt_stride_seq, bt_stride_block;
+  bool bt_is_int64;
+  int64_t block_size, group, head_dim;
+  float scale_log2;  // scale * log2(e): softmax runs in base 2
+
+  int64_t block_id(int64_t seq, int64_t index) const {
+    int64_t offset = seq * bt_stride_seq + index * bt_stride_block;
+    return bt_is_int64 ? static_cast<const int64_t*>(block_tables)[offset]
+                       : static_cast<const int32_t*>(block_tables)[offset];
+  }
+};
+
+struct WorkItem {
+  int64_t seq, kv_head;
+  int64_t first_token;  // row in query/out of this item's first query token
+  int64_t first_pos;    // its position in the sequence
+  int64_t num_rows;
+  int64_t key_begin, key_end;  // keys this item reads; key_begin is a multiple of block_size
+  int64_t partial;             // -1: write `out`; else its slot in Partials (split-KV)
+  int64_t cost() const { return num_rows * (key_end - key_begin); }
+};
+
+// Split-KV results: unnormalised accumulators with their running max and sum, per query.
+struct Partials {
+  int64_t max_queries, head_dim;
+  std::vector<float> acc, m, l;
+  Partials(int64_t num_slots, int64_t max_queries, int64_t head_dim)
+      : max_queries(max_queries), head_dim(head_dim), acc(num_slots * max_queries * head_dim),
+        m(num_slots * max_queries), l(num_slots * max_queries) {}
+};
+
+// Scratch of one thread, reused across its items: num_rows * group queries.
+struct Scratch {
+  std::vector<float> q, acc, m, l;
+  explicit Scratch(int64_t max_queries, int64_t head_dim)
+      : q(max_queries * head_dim), acc(max_queries * head_dim), m(max_queries), l(max_queries) {}
+};
+
+// Scores of one query against the keys of one tile, scaled to base 2: lane j = q . K_j for
+// j < visible, -inf beyond. NV = head_dim / kLanes when known at compile time, else 0.
+template <int NV>
+inline vfloat tile_scores(const float* q, const float* k_rows, int64_t k_stride, int64_t visible, int nv) {
+  vfloat dots[kLanes];
+#pragma GCC unroll 16
+  for (int j = 0; j < kLanes; ++j) {
+    vfloat dot{};
+    if (j < visible)
+      for (int c = 0; c < (NV ? NV : nv); ++c) dot += vload(q + c * kLanes) * vload(k_rows + j * k_stride + c * kLanes);
+    dots[kBitReversed[j]] = dot;
+  }
+  const vfloat scores = transpose_sum(dots);
+  return kIota < static_cast<int>(visible) ? scores : vsplat(-INFINITY);
+}
+
+template <int NV>
+void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) {
+  const int nv = NV ? NV : static_cast<int>(L.head_dim / kLanes);
+  const int64_t group = L.group, nq = w.num_rows * group;  // query i = row (i / group), head (i % group)
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* src = L.query + (w.first_token + i / group) * L.q_stride_token +
+                       (w.kv_head * group + i % group) * L.q_stride_head;
+    for (int c = 0; c < nv; ++c) {
+      vstore(&s.q[i * L.head_dim + c * kLanes], vload(src + c * kLanes) * L.scale_log2);
+      vstore(&s.acc[i * L.head_dim + c * kLanes], vfloat{});
+    }
+    s.m[i] = -INFINITY;
+    s.l[i] = 0.f;
+  }
+  const int64_t kv_end = w.key_end;
+  for (int64_t t0 = w.key_begin; t0 < kv_end;) {
+    const int64_t block_index = t0 / L.block_size, slot0 = t0 % L.block_size;
+    const int64_t n = std::min<int64_t>({kLanes, L.block_size - slot0, kv_end - t0});
+    const int64_t block = L.block_id(w.seq, block_index);
+    const float* k_rows = L.key + block * L.k_stride_block + slot0 * L.k_stride_slot + w.kv_head * L.k_stride_head;
+    const float* v_rows = L.value + block * L.v_stride_block + slot0 * L.v_stride_slot + w.kv_head * L.v_stride_head;
+    if (slot0 == 0 && t0 + L.block_size < kv_end) {
+      const int64_t next = L.block_id(w.seq, block_index + 1);
+      const int64_t next_rows = std::min(L.block_size, kv_end - t0 - L.block_size);
+      prefetch_rows(L.key + next * L.k_stride_block + w.kv_head * L.k_stride_head, next_rows, L.k_stride_slot, nv);
+      prefetch_rows(L.value + next * L.v_stride_block + w.kv_head * L.v_stride_head, next_rows, L.v_stride_slot, nv);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t visible = std::min(n, w.first_pos + i / group - t0 + 1);  // causal
+      if (visible <= 0) continue;
+      const vfloat scores = tile_scores<NV>(&s.q[i * L.head_dim], k_rows, L.k_stride_slot, visible, nv);
+      // online softmax: rescale what was accumulated when the running max grows
+      const float m_new = std::max(s.m[i], hmax(scores));
+      const float correction = std::exp2(s.m[i] - m_new);
+      const vfloat weights = vexp2(scores - m_new);
+      s.l[i] = s.l[i] * correction + hsum(weights);
+      s.m[i] = m_new;
+      float* acc_i = &s.acc[i * L.head_dim];
+      vfloat acc[kMaxHeadVectors];
+      for (int c = 0; c < nv; ++c) acc[c] = vload(acc_i + c * kLanes) * correction;
+      for (int64_t j = 0; j < visible; ++j) {
+        const float weight = weights[j];
+        for (int c = 0; c < nv; ++c) acc[c] += weight * vload(v_rows + j * L.v_stride_slot + c * kLanes);
+      }
+      for (int c = 0; c < nv; ++c) vstore(acc_i + c * kLanes, acc[c]);
+    }
+    t0 += n;
+  }
+  if (w.partial >= 0) {
+    const int64_t slot = w.partial * partials.max_queries;
+    std::copy(s.m.begin(), s.m.begin() + nq, partials.m.begin() + slot);
+    std::copy(s.l.begin(), s.l.begin() + nq, partials.l.begin() + slot);
+    std::copy(s.acc.begin(), s.acc.begin() + nq * L.head_dim, partials.acc.begin() + slot * L.head_dim);
+    return;
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    float* dst = L.out + (w.first_token + i / group) * L.o_stride_token +
+                 (w.kv_head * group + i % group) * L.o_stride_head;
+    const float inv = 1.f / s.l[i];  // l >= 1: key 0 is visible to every query
+    for (int c = 0; c < nv; ++c) vstore(dst + c * kLanes, vload(&s.acc[i * L.head_dim + c * kLanes]) * inv);
+  }
+}
+
+// Combine the num_splits partial results of one (sequence, KV head, rows) that split its keys:
+// out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s. A split past a query's
+// position saw no keys (m = -inf, weight 0); the first split holds key 0, so M is finite.
+void merge_splits(const Layout& L, const WorkItem& w, int64_t num_splits, const Partials& partials) {
+  const int64_t nq = w.num_rows * L.group, nv = L.head_dim / kLanes;
+  for (int64_t i = 0; i < nq; ++i) {
+    float m_max = -INFINITY, l_sum = 0.f;
+    for (int64_t k = 0; k < num_splits; ++k) m_max = std::max(m_max, partials.m[(w.partial + k) * partials.max_queries + i]);
+    vfloat acc[kMaxHeadVectors] = {};
+    for (int64_t k = 0; k < num_splits; ++k) {
+      const int64_t slot = (w.partial + k) * partials.max_queries + i;
+      const float weight = std::exp2(partials.m[slot] - m_max);
+      l_sum += partials.l[slot] * weight;
+      for (int64_t c = 0; c < nv; ++c) acc[c] += weight * vload(&partials.acc[slot * L.head_dim + c * kLanes]);
+    }
+    float* dst = L.out + (w.first_token + i / L.group) * L.o_stride_token +
+                 (w.kv_head * L.group + i % L.group) * L.o_stride_head;
+    for (int64_t c = 0; c < nv; ++c) vstore(dst + c * kLanes, acc[c] / l_sum);
+  }
+}
+
+void check_float_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, name, " must be float32 on the CPU kernel path, got ",
+                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-d, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must have stride 1 in its last dim, got strides ", t.strides());
+}
+
+void check_index_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
+                    " must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-d, got shape ", t.sizes());
+}
+
+// Sequences with q_len > max_kernel_q_len are validated but left to the caller (out untouched
+// for their rows); pass a negative value to compute every sequence here.
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                     int64_t max_seqlen_q, double scale, const at::Tensor& out, int64_t max_kernel_q_len) {
+  check_float_tensor("query", query, 3);
+  check_float_tensor("key_cache", key_cache, 4);
+  check_float_tensor("value_cache", value_cache, 4);
+  check_float_tensor("out", out, 3);
+  check_index_tensor("block_tables", block_tables, 2);
+  check_index_tensor("seq_lens", seq_lens, 1);
+  check_index_tensor("cu_seqlens_q", cu_seqlens_q, 1);
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2), num_seqs = block_tables.size(0);
+  const int64_t max_blocks_per_seq = block_tables.size(1);
+  TORCH_CHECK_VALUE(key_cache.size(3) == head_dim, "key_cache must have head_dim ", head_dim,
+                    " like query, got shape ", key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache must have the shape of key_cache ",
+                    key_cache.sizes(), ", got ", value_cache.sizes());
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out must have the shape of query ", query.sizes(), ", got ",
+                    out.sizes());
+  TORCH_CHECK_VALUE(head_dim % kLanes == 0 && head_dim <= kLanes * kMaxHeadVectors,
+                    "query's head_dim must be a multiple of ", kLanes, " up to ", kLanes * kMaxHeadVectors,
+                    " on the CPU kernel path, got ", head_dim);
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query's num_heads (", num_heads,
+                    ") must be a multiple of key_cache's num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK_VALUE(seq_lens.size(0) == num_seqs, "seq_lens must have one entry per block_tables row (",
+                    num_seqs, "), got shape ", seq_lens.sizes());
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == num_seqs + 1, "cu_seqlens_q must have num_seqs + 1 = ", num_seqs + 1,
+                    " entries, got shape ", cu_seqlens_q.sizes());
+  TORCH_CHECK_VALUE(max_seqlen_q >= 1, "max_seqlen_q must be >= 1, got ", max_seqlen_q);
+  TORCH_CHECK_VALUE(scale > 0, "scale must be positive, got ", scale);
+
+  const IndexView lens(seq_lens), cu(cu_seqlens_q);
+  const Layout L{query.data_ptr<float>(), query.stride(0), query.stride(1),
+                 key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                 key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                 value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+                 out.data_ptr<float>(), out.stride(0), out.stride(1),
+                 block_tables.data_ptr(), block_tables.stride(0), block_tables.stride(1),
+                 block_tables.scalar_type() == at::kLong,
+                 block_size, num_heads / num_kv_heads, head_dim,
+                 static_cast<float>(scale * M_LOG2E)};
+
+  TORCH_CHECK_VALUE(cu[0] == 0 && cu[num_seqs] == num_tokens, "cu_seqlens_q must start at 0 and end at "
+                    "num_tokens (", num_tokens, "), got ", cu[0], " .. ", cu[num_seqs]);
+  std::vector<WorkItem> items;
+  int64_t total_cost = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t seq_len = lens[seq], q_len = cu[seq + 1] - cu[seq];
+    TORCH_CHECK_VALUE(0 <= q_len && q_len <= seq_len && q_len <= max_seqlen_q, "sequence ", seq,
+                      ": query length ", q_len, " (from cu_seqlens_q) must be in 0..min(seq_len=", seq_len,
+                      ", max_seqlen_q=", max_seqlen_q, ")");
+    TORCH_CHECK_VALUE(seq_len <= max_blocks_per_seq * block_size, "sequence ", seq, ": seq_len ", seq_len,
+                      " exceeds block_tables capacity (", max_blocks_per_seq * block_size,
+                      " = max_blocks_per_seq * block_size)");
+    if (q_len == 0) continue;  // nothing reads its block table
+    for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
+      const int64_t block = L.block_id(seq, b);
+      TORCH_CHECK_VALUE(0 <= block && block < num_blocks, "sequence ", seq, ": block_tables[", seq, ", ", b,
+                        "] = ", block, " is not a block id of key_cache (0..", num_blocks - 1, ")");
+    }
+    if (max_kernel_q_len >= 0 && q_len > max_kernel_q_len) continue;
+    for (int64_t row = 0; row < q_len; row += kRowsPerItem) {
+      const int64_t num_rows = std::min<int64_t>(kRowsPerItem, q_len - row), first_pos = seq_len - q_len + row;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        // the last row sees keys 0 .. first_pos + num_rows - 1 (causal)
+        items.push_back({seq, h, cu[seq] + row, first_pos, num_rows, 0, first_pos + num_rows, -1});
+        total_cost += items.back().cost();
+      }
+    }
+  }
+  if (items.empty()) return;
+
+  const int64_t num_threads = at::get_num_threads(), max_queries = kRowsPerItem * L.group;
+  const bool is_parallel = num_threads > 1 && total_cost * L.group >= kSerialCost;
+  // Few long items (batch-1 decode over a long context): split their keys so every thread has work.
+  std::vector<WorkItem> split_firsts;  // first split of each item that was split, for the merge
+  std::vector<int64_t> split_counts;
+  int64_t num_partials = 0;
+  const int64_t wanted_items = num_threads * kItemsPerThread;
+  if (is_parallel && static_cast<int64_t>(items.size()) < wanted_items) {
+    const int64_t max_splits = (wanted_items + items.size() - 1) / items.size();
+    std::vector<WorkItem> split_items;
+    for (const WorkItem& w : items) {
+      const int64_t num_splits = std::min(max_splits, w.key_end / kMinSplitKeys);
+      if (num_splits < 2) {
+        split_items.push_back(w);
+        continue;
+      }
+      const int64_t blocks_per_split = (w.key_end + num_splits * block_size - 1) / (num_splits * block_size);
+      int64_t count = 0;
+      for (int64_t begin = 0; begin < w.key_end; begin += blocks_per_split * block_size, ++count) {
+        WorkItem part = w;
+        part.key_begin = begin;
+        part.key_end = std::min(w.key_end, begin + blocks_per_split * block_size);
+        part.partial = num_partials + count;
+        split_items.push_back(part);
+      }
+      split_firsts.push_back(split_items[split_items.size() - count]);
+      split_counts.push_back(count);
+      num_partials += count;
+    }
+    items.swap(split_items);
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost() > b.cost(); });
+  Partials partials(num_partials, max_queries, head_dim);
+
+  auto run = [&](auto attend_fn) {
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    if (!is_parallel) {
+      Scratch scratch(max_queries, head_dim);
+      for (const WorkItem& w : items) attend_fn(L, w, scratch, partials);
+      return;
+    }
+    // one task per thread; each takes the next item (longest first) until none are left
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+      Scratch scratch(max_queries, head_dim);
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_fn(L, items[i], scratch, partials);
+    });
+  };
+  switch (head_dim / kLanes) {
+    case 4: run(attend<4>); break;
+    case 8: run(attend<8>); break;
+    default: run(attend<0>); break;
+  }
+  for (size_t k = 0; k < split_firsts.size(); ++k) merge_splits(L, split_firsts[k], split_counts[k], partials);
+}
+
+}  // namespace
+}  // namespace pdserve
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, float scale, Tensor(a!) out, "
+      "int max_kernel_q_len) -> ()",
+      &pdserve::paged_attention);
+}

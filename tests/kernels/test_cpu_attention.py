@@ -1,0 +1,191 @@
+"""The compiled CPU paged attention (kernels/cpu/attention.py) against the torch reference, over
+ragged batches mixing decode, spec verification, chunked prefill and whole prompts, GQA ratios,
+block sizes, strided layer views and junk block-table entries; and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels.cpu import CpuKernelsUnavailable, library
+from kernels.paged_attention_ref import paged_attention_ref
+
+try:
+    library("attention")
+except CpuKernelsUnavailable as exc:  # no C++ compiler here: the engine falls back to the reference
+    pytest.skip(str(exc), allow_module_level=True)
+
+from kernels.cpu import attention  # noqa: E402
+from kernels.cpu.attention import paged_attention  # noqa: E402
+
+GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): group 1, 3 (SmolLM2) and 8
+DECODE_RAGGED = ([1, 300, 16, 33, 129, 17], [1] * 6)
+# decode, a single-token context, a chunk ending on a block boundary, prefill on a cached prefix,
+# whole-prompt prefill (q_len == seq_len, 24 rows: three 8-row tiles), spec verification (4)
+MIXED = ([37, 1, 64, 50, 24, 90, 16], [1, 1, 32, 20, 24, 4, 1])
+SPEC_VERIFY = ([42, 43, 44, 45, 46, 47, 48], [2, 3, 4, 5, 6, 7, 8])
+
+
+def make_case(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
+              head_dim: int = 64, block_size: int = 16, seed: int = 0,
+              index_dtype: torch.dtype = torch.int32) -> tuple:
+    """Arguments of paged_attention: K/V are the layer-1 views of a 3-layer engine-layout cache,
+    block ids are shuffled, and table entries past each sequence's last block hold -1, an id
+    past the cache, or a stale id of another sequence's block."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    ids = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), -1, dtype=index_dtype)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = ids[used:used + n]
+        block_tables[i, n + 1] = [10**6, int(ids[0])][i % 2]
+        used += n
+    cu_seqlens_q = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=index_dtype)
+    query = torch.randn(int(cu_seqlens_q[-1]), num_heads, head_dim, generator=gen)
+    return (query, kv_cache[:, 1, 0], kv_cache[:, 1, 1], block_tables,
+            torch.tensor(seq_lens, dtype=index_dtype), cu_seqlens_q, max(max(query_lens), 1),
+            head_dim ** -0.5)
+
+
+def assert_matches_reference(args: tuple, out: torch.Tensor | None = None) -> None:
+    actual = paged_attention(*args, out=out)
+    torch.testing.assert_close(actual, paged_attention_ref(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("lens", [DECODE_RAGGED, MIXED, SPEC_VERIFY], ids=["decode", "mixed", "verify"])
+def test_matches_reference(lens, num_heads, num_kv_heads, block_size):
+    assert_matches_reference(make_case(*lens, num_heads, num_kv_heads, block_size=block_size))
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 128])  # 64 above; 128 unrolled, the others a loop
+def test_head_dims(head_dim):
+    assert_matches_reference(make_case(*MIXED, 6, 2, head_dim=head_dim))
+
+
+def test_whole_prompts_and_empty_queries():
+    # q_len == seq_len with a partial last row tile (13 = 8 + 5) and a partial last block; a
+    # sequence with no query this step (its table is never read)
+    args = make_case([13, 70, 9, 5], [13, 70, 0, 5], 9, 3)
+    args[3][2] = -7
+    assert_matches_reference(args)
+
+
+def test_int64_indices():
+    assert_matches_reference(make_case(*MIXED, 9, 3, index_dtype=torch.int64))
+
+
+def test_stale_entries_past_the_end_are_never_read():
+    args = make_case(*MIXED, 9, 3)
+    first = paged_attention(*args)
+    block_tables = args[3].clone()
+    for i, seq_len in enumerate(args[4].tolist()):
+        block_tables[i, -(-seq_len // 16):] = i  # valid ids, other sequences' blocks
+    second = paged_attention(*args[:3], block_tables, *args[4:])
+    assert torch.equal(first, second)
+
+
+def test_strided_query_and_out():
+    # query sliced from a fused qkv projection; out a view into a wider buffer, returned as is
+    query, *rest = make_case(*MIXED, 6, 2, head_dim=32)
+    num_tokens = query.shape[0]
+    qkv = torch.randn(num_tokens, 10 * 32)
+    qkv[:, : 6 * 32] = query.reshape(num_tokens, -1)
+    strided = qkv[:, : 6 * 32].view(num_tokens, 6, 32)
+    wide = torch.full((num_tokens, 8, 32), 7.0)
+    returned = paged_attention(strided, *rest, out=wide[:, 1:7])
+    assert returned.data_ptr() == wide[:, 1:7].data_ptr()
+    torch.testing.assert_close(wide[:, 1:7], paged_attention_ref(query, *rest), rtol=1e-5, atol=1e-5)
+    assert bool((wide[:, 0] == 7).all()) and bool((wide[:, 7] == 7).all())
+
+
+def test_kernel_handles_long_queries():
+    # the wrapper sends these to SDPA, but the op itself is correct for any q_len
+    args = make_case([150, 300, 40], [150, 70, 3], 9, 3)
+    out = torch.empty_like(args[0])
+    library("attention").paged_attention(*args, out, -1)
+    torch.testing.assert_close(out, paged_attention_ref(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_long_queries_routed_to_sdpa(monkeypatch):
+    # with the threshold at 16, the 32- and 20-token chunks go to the reference, the rest here
+    monkeypatch.setattr(attention, "LONG_QUERY_THRESHOLD", 16)
+    assert_matches_reference(make_case(*MIXED, 9, 3))
+
+
+def test_two_threads_and_split_kv():
+    # one or two sequences over 1-2k keys make fewer work items than 2 threads x 8: their keys
+    # split into parts of >= 256 (decode and an 8-row verify tile), merged after
+    torch.set_num_threads(2)  # the autouse fixture restores it
+    assert_matches_reference(make_case([1100], [1], 9, 3))
+    assert_matches_reference(make_case([900, 2000], [8, 1], 9, 3))
+    assert_matches_reference(make_case(*DECODE_RAGGED, 9, 3))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_batches(data):
+    num_seqs = data.draw(st.integers(1, 5))
+    seq_lens = data.draw(st.lists(st.integers(1, 100), min_size=num_seqs, max_size=num_seqs))
+    query_lens = [data.draw(st.sampled_from([1, 1, min(n, 3), min(n, 9), n])) for n in seq_lens]
+    num_kv_heads, group = data.draw(st.sampled_from([(1, 1), (2, 3), (1, 8), (3, 3)]))
+    block_size = data.draw(st.sampled_from([8, 16, 32]))
+    assert_matches_reference(make_case(seq_lens, query_lens, num_kv_heads * group, num_kv_heads,
+                                       32, block_size, seed=data.draw(st.integers(0, 2**16))))
+
+
+def _bad(index: int, value):
+    def change(args: tuple) -> tuple:
+        args = list(args)
+        args[index] = value(args) if callable(value) else value
+        return tuple(args)
+    return change
+
+
+def _table_entry(row: int, col: int, value: int):
+    def change(args: tuple) -> tuple:
+        args[3][row, col] = value
+        return args
+    return change
+
+
+BAD_ARGUMENTS = {
+    "query float64": (_bad(0, lambda a: a[0].double()), "query must be float32"),
+    "key_cache bfloat16": (_bad(1, lambda a: a[1].bfloat16()), "key_cache must be float32"),
+    "value_cache shape": (_bad(2, lambda a: a[2][:, :8]), "value_cache must have the shape of key_cache"),
+    "head_dim 24": (lambda a: (a[0][..., :24],) + (a[1][..., :24], a[2][..., :24]) + a[3:],
+                    "head_dim must be a multiple of 16"),
+    "heads vs kv heads": (_bad(0, lambda a: a[0][:, :5]), r"num_heads \(5\) must be a multiple"),
+    "block_tables float": (_bad(3, lambda a: a[3].float()), "block_tables must be int32 or int64"),
+    "seq_lens length": (_bad(4, lambda a: a[4][:2]), "seq_lens must have one entry per block_tables row"),
+    "cu_seqlens_q end": (_bad(5, lambda a: a[5].clone().fill_(0)), "cu_seqlens_q must start at 0 and end"),
+    "q_len > seq_len": (_bad(4, lambda a: torch.tensor([37, 1, 30], dtype=torch.int32)),
+                        "sequence 2: query length 32 .* must be in 0..min"),
+    "q_len > max_seqlen_q": (_bad(6, 20), r"sequence 2: query length 32 .*max_seqlen_q=20"),
+    "seq_len beyond block_tables": (_bad(4, lambda a: torch.tensor([37, 1, 900], dtype=torch.int32)),
+                                    "sequence 2: seq_len 900 exceeds block_tables capacity"),
+    "block id out of range": (_table_entry(0, 1, 999), r"block_tables\[0, 1\] = 999 is not a block id"),
+    "negative block id": (_table_entry(2, 0, -1), r"block_tables\[2, 0\] = -1 is not a block id"),
+    "scale": (_bad(7, 0.0), "scale must be positive"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_bad_arguments_raise_naming_the_argument(name):
+    change, message = BAD_ARGUMENTS[name]
+    args = change(make_case([37, 1, 64], [1, 1, 32], 6, 2))
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*args)
+
+
+def test_bad_out_raises():
+    args = make_case([37], [1], 6, 2)
+    with pytest.raises(ValueError, match="out must have the shape of query"):
+        paged_attention(*args, out=torch.empty(2, 6, 64))
