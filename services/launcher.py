@@ -161,11 +161,13 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
     if not args.colocated:
         for role, count, index in (("prefill", args.prefill, 0), ("decode", args.decode, 1)):
-            pinning: list[str] = []
             if split is not None:
                 cpus = split[index]
                 pinning = ["--cpus", ",".join(map(str, cpus)),
                            "--num-threads", str(max(1, len(cpus) // count))]
+            else:  # share the cores: a fork-join pool wider than its share stalls at every barrier
+                share = len(os.sched_getaffinity(0)) // (args.prefill + args.decode)
+                pinning = ["--num-threads", str(max(1, share))]
             for i in range(count):
                 port = free_port()
                 name = f"{role}-{i}"
