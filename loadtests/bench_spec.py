@@ -33,8 +33,11 @@ CODE = '''def parse_config(path):
 
 def prompts(tokenizer) -> dict[str, list[int]]:
     return {
+        # The default 135M model answers this by copying the code back (typo and all), which is
+        # what makes it a copy prompt; asked to rename the function instead, it rewrites the body.
         "copy (code edit)": tokenizer.encode_chat([{"role": "user", "content":
-            "Rename the function parse_config to load_config and return the code in full:\n\n" + CODE}]),
+            "Fix the typo in this code and return the corrected code in full:\n\n"
+            + CODE.replace("splitlines", "splitlnes")}]),
         "open chat": tokenizer.encode_chat([{"role": "user", "content":
             "What are some good habits for staying healthy while working from home?"}]),
     }
