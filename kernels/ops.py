@@ -74,12 +74,12 @@ def get_ops(backend: str) -> Ops:
                    pack_linear=pack_linear_ref, linear=linear_ref)
     if backend == "cpu":
         from kernels.cpu import elementwise
+        from kernels.cpu.attention import paged_attention
         from kernels.cpu.linear import linear, pack_weight
-        from kernels.paged_attention_ref import paged_attention_ref
 
         return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
                    silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
-                   paged_attention=paged_attention_ref, pack_linear=pack_weight, linear=linear)
+                   paged_attention=paged_attention, pack_linear=pack_weight, linear=linear)
     if backend == "triton":
         from kernels.activation import silu_and_mul
         from kernels.paged_attention import paged_attention

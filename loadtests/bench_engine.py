@@ -27,7 +27,7 @@ from engine.models.loader import load_model
 @contextlib.contextmanager
 def torch_threads(num_threads: int):
     """HF computes with torch's own BLAS and thread pool: give it every core while it runs
-    (pdserve's engine sets torch to one thread and lets OpenBLAS use the cores)."""
+    (pdserve's engine sizes the thread pools for its own backend: engine.runner.cpu_threads)."""
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -119,15 +119,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, cpu count {os.cpu_count()}; pdserve: OpenBLAS matmuls on "
-          f"every core, torch ops on one thread; HF: torch with {len(os.sched_getaffinity(0))} threads")
-
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     load_s = time.perf_counter() - t0
-    print(f"model load: {load_s:.2f} s  ({loaded.config.name})")
     # No prefix caching: the repeated benchmark prompts would otherwise hit the cache.
     llm = LLM(loaded, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    print(f"torch {torch.__version__}, cpu count {os.cpu_count()}; pdserve: backend "
+          f"{llm.engine.runner.backend!r} on {torch.get_num_threads()} torch threads; "
+          f"HF: torch with {len(os.sched_getaffinity(0))} threads")
+    print(f"model load: {load_s:.2f} s  ({loaded.config.name})")
     tok = loaded.tokenizer
 
     long_prompt = prompts_of_length(tok, 1024, 1)
