@@ -121,6 +121,8 @@ class SpecConfig:
     LM head draft (sharing the target's KV for those layers); draft: a separate model at
     ``draft_model`` with the same tokenizer. ``max_batch``: at or above this many running
     requests nobody speculates (see docs/benchmarks.md for how it was measured).
+    ``draft_cost``: what one draft token costs, in target decode steps; None estimates it from
+    weight bytes (0 for n-gram). Adaptive k stops drafting where drafts cost more than they save.
     """
 
     method: str | None = None
@@ -130,6 +132,7 @@ class SpecConfig:
     max_batch: int = 8
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -144,6 +147,8 @@ class SpecConfig:
             raise ConfigError(f"spec num_layers must be >= 1, got {self.num_layers}")
         if self.max_batch < 1:
             raise ConfigError(f"spec max_batch must be >= 1, got {self.max_batch}")
+        if self.draft_cost is not None and not 0.0 <= self.draft_cost < float("inf"):
+            raise ConfigError(f"spec draft_cost must be finite and >= 0, got {self.draft_cost}")
 
 
 @dataclass(frozen=True)

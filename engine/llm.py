@@ -63,7 +63,7 @@ class LLM:
     Keyword arguments set the engine: block_size, num_kv_blocks, kv_cache_memory (bytes),
     max_num_seqs, max_num_batched_tokens, max_model_len, device, dtype, enable_prefix_caching;
     speculative decoding: spec_method ('ngram' | 'layer-skip' | 'draft'), spec_k, draft_model,
-    spec_layers, spec_max_batch.
+    spec_layers, spec_max_batch, spec_draft_cost.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, *, block_size: int = 16,
@@ -72,7 +72,7 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", dtype: str = "float32",
                  enable_prefix_caching: bool = True, spec_method: str | None = None,
                  spec_k: int = 4, draft_model: str | None = None, spec_layers: int | None = None,
-                 spec_max_batch: int = 8) -> None:
+                 spec_max_batch: int = 8, spec_draft_cost: float | None = None) -> None:
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         if max_model_len is not None:
             loaded = dataclasses.replace(
@@ -87,7 +87,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
             spec=SpecConfig(method=spec_method, k=spec_k, draft_model=draft_model,
-                            num_layers=spec_layers, max_batch=spec_max_batch),
+                            num_layers=spec_layers, max_batch=spec_max_batch,
+                            draft_cost=spec_draft_cost),
             device=device, dtype=dtype,
         ), loaded)
         self._ids = itertools.count()

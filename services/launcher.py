@@ -123,6 +123,8 @@ def spec_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--draft-model", args.draft_model]
     if args.spec_layers:
         argv += ["--spec-layers", str(args.spec_layers)]
+    if args.spec_draft_cost is not None:
+        argv += ["--spec-draft-cost", str(args.spec_draft_cost)]
     return argv
 
 

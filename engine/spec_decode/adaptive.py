@@ -11,8 +11,17 @@ is the longest run whose last draft still has a chance of at least ``min_draft_a
 
     k = floor(log(min_draft_accept_prob) / log(alpha)), clamped to [0, max_k].
 
+Drafts are not free: a draft token costs ``draft_cost`` target decode steps to produce (0 for
+n-gram lookup, the drafter's share of the target's weight bytes for a model drafter, since
+decode is bandwidth-bound) and ``verify_cost`` to verify (the target's extra cost per verified
+position). With E(k) = 1 + alpha + ... + alpha^k tokens per step expected, k drafts pay only if
+E(k) / (1 + k * (draft_cost + verify_cost)) > 1, so k is further capped at the k that maximises
+that ratio (0 when no k beats plain decoding): an expensive drafter on text it cannot predict
+switches itself off.
+
 A request whose k fell to 0 proposes ``probe_k`` drafts every ``probe_interval`` steps so a
-change in the text (a quoted passage starts) can bring speculation back.
+change in the text (a quoted passage starts) can bring speculation back; with costly drafts the
+interval stretches so probing costs at most ``max_probe_overhead`` of plain decoding.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ class AdaptiveKConfig:
     min_draft_accept_prob: float = 0.3
     probe_interval: int = 16
     probe_k: int = 1
+    draft_cost: float = 0.0
+    verify_cost: float = 0.0
+    max_probe_overhead: float = 0.02
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
@@ -53,6 +65,12 @@ class AdaptiveKConfig:
         if not 0.0 < self.min_draft_accept_prob < 1.0:
             raise ValueError(
                 f"AdaptiveKConfig.min_draft_accept_prob must be in (0, 1), got {self.min_draft_accept_prob}")
+        for name in ("draft_cost", "verify_cost"):
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"AdaptiveKConfig.{name} must be finite and >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.max_probe_overhead <= 1.0:
+            raise ValueError(
+                f"AdaptiveKConfig.max_probe_overhead must be in (0, 1], got {self.max_probe_overhead}")
         if self.probe_interval < 1 or not 0 <= self.probe_k <= self.max_k:
             raise ValueError(
                 f"AdaptiveKConfig needs probe_interval >= 1 and 0 <= probe_k <= max_k, "
@@ -69,7 +87,9 @@ class AdaptiveK:
     """Per-request k from a moving acceptance rate, plus global per-position statistics."""
 
     def __init__(self, config: AdaptiveKConfig | None = None) -> None:
-        self.config = config or AdaptiveKConfig()
+        self.config = cfg = config or AdaptiveKConfig()
+        probe_cost = cfg.probe_k * (cfg.draft_cost + cfg.verify_cost)
+        self.probe_interval = max(cfg.probe_interval, math.ceil(probe_cost / cfg.max_probe_overhead))
         self._requests: dict[str, _RequestState] = {}
         self.num_proposed_per_position: list[int] = [0] * self.config.max_k  # drafts at position j
         self.num_accepted_per_position: list[int] = [0] * self.config.max_k  # of those, accepted
@@ -87,7 +107,7 @@ class AdaptiveK:
             state.num_idle_steps = 0
             return k
         state.num_idle_steps += 1
-        if state.num_idle_steps >= cfg.probe_interval:
+        if state.num_idle_steps >= self.probe_interval:
             state.num_idle_steps = 0
             return cfg.probe_k
         return 0
@@ -134,10 +154,20 @@ class AdaptiveK:
         return state
 
     def _k_for_rate(self, rate: float) -> int:
-        max_k = self.config.max_k
-        if rate >= 1.0:
-            return max_k
+        cfg = self.config
         if rate <= 0.0:
             return 0
-        k = math.floor(math.log(self.config.min_draft_accept_prob) / math.log(rate) + 1e-9)
-        return max(0, min(max_k, k))
+        k = cfg.max_k if rate >= 1.0 else math.floor(
+            math.log(cfg.min_draft_accept_prob) / math.log(rate) + 1e-9)
+        k = max(0, min(cfg.max_k, k))
+        cost_per_draft = cfg.draft_cost + cfg.verify_cost
+        if cost_per_draft == 0.0 or k == 0:
+            return k
+        # the k <= the rate rule's k that gives the most tokens per unit of target time
+        best_k, best_gain, expected = 0, 1.0, 1.0
+        for j in range(1, k + 1):
+            expected += min(rate, 1.0) ** j
+            gain = expected / (1.0 + j * cost_per_draft)
+            if gain > best_gain:
+                best_k, best_gain = j, gain
+        return best_k

@@ -23,18 +23,24 @@ from engine.spec_decode.model_drafter import DraftModelDrafter, LayerSkipDrafter
 from engine.spec_decode.ngram import propose_ngram
 
 PLACEHOLDER_TOKEN = 0  # a model drafter's slot before fill() writes the real draft
+# The target's extra cost per verified draft position, as a fraction of a one-token decode step
+# at batch 1 (bench_spec: a step verifying 4 drafts against a plain step; docs/benchmarks.md).
+VERIFY_COST_PER_DRAFT = 0.05
 
 
 class SpecDecoder:
     def __init__(self, config: SpecConfig, runner, cache_config: CacheConfig) -> None:
         self.config = config
-        self.adaptive = AdaptiveK(AdaptiveKConfig(
-            max_k=config.k, batch_size_threshold=config.max_batch, probe_k=1))
         model = runner.model
         self.drafter = None
+        draft_cost = 0.0  # n-gram lookup: free next to a forward
         if config.method == "layer-skip":
             num_layers = config.num_layers or max(1, model.config.num_layers // 4)
             self.drafter = LayerSkipDrafter(model, runner.kv_cache, num_layers, runner.block_size)
+            # decode is bandwidth-bound: a draft costs the share of weight bytes it reads
+            head = model.config.vocab_size * model.config.hidden_size * model.dtype.itemsize
+            per_layer = (model.weight_bytes - head) / model.config.num_layers
+            draft_cost = (num_layers * per_layer + head) / model.weight_bytes
         elif config.method == "draft":
             from engine.models.llama import LlamaForCausalLM
             from engine.models.loader import load_model
@@ -46,6 +52,12 @@ class SpecDecoder:
             self.drafter = DraftModelDrafter(draft, CacheConfig(
                 block_size=runner.block_size, memory_budget_bytes=cache_config.memory_budget_bytes // 4,
                 dtype=cache_config.dtype, enable_prefix_caching=False))
+            draft_cost = draft.weight_bytes / model.weight_bytes
+        if config.draft_cost is not None:
+            draft_cost = config.draft_cost
+        self.adaptive = AdaptiveK(AdaptiveKConfig(
+            max_k=config.k, batch_size_threshold=config.max_batch, probe_k=1,
+            draft_cost=draft_cost, verify_cost=VERIFY_COST_PER_DRAFT))
         self.draft_probs: dict[str, torch.Tensor | None] = {}
 
     def plan(self, running: list[Request], max_model_len: int) -> None:

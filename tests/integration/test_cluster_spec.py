@@ -24,8 +24,9 @@ CODE = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 
 
 SPEC_ARGS = {
     "ngram": ("--spec-method", "ngram"),
-    "layer-skip": ("--spec-method", "layer-skip", "--spec-layers", "6"),
-    "draft": ("--spec-method", "draft", "--draft-model", default_model_path()),
+    # draft cost 0: speculate whatever the drafter costs (the target as its own draft never pays)
+    "layer-skip": ("--spec-method", "layer-skip", "--spec-layers", "6", "--spec-draft-cost", "0"),
+    "draft": ("--spec-method", "draft", "--draft-model", default_model_path(), "--spec-draft-cost", "0"),
 }
 
 

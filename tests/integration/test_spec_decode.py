@@ -42,9 +42,10 @@ def reference(loaded_model, prompts):
 @pytest.mark.parametrize("method", ["ngram", "layer-skip", "draft"])
 def test_greedy_equals_plain_decoding(loaded_model, prompts, reference, method):
     # max_batch=32: keep speculation on for the 16-request batch, so verification in a mixed
-    # batch is exercised, not switched off by the adaptive threshold.
+    # batch is exercised, not switched off by the adaptive threshold. draft_cost=0: drafts as if
+    # free, or the adaptive policy would rightly never let the target draft for itself.
     llm = LLM(loaded_model, max_model_len=512, num_kv_blocks=256, spec_method=method, spec_k=4,
-              spec_layers=6, spec_max_batch=32,
+              spec_layers=6, spec_max_batch=32, spec_draft_cost=0.0,
               draft_model=default_model_path() if method == "draft" else None)
     batched = llm.generate(prompts, [_params(i) for i in range(16)])
     assert [o.token_ids for o in batched] == reference

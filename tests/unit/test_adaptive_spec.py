@@ -57,6 +57,32 @@ def test_probe_lets_a_request_recover():
     assert ks == [1, 1, 2, 3, 4]  # rates 0.468, 0.628, 0.739, 0.818
 
 
+def test_costly_drafts_cap_k_at_the_best_tokens_per_cost():
+    def k_at(rate, draft_cost, verify_cost=0.0, max_k=4):
+        policy = AdaptiveK(AdaptiveKConfig(max_k=max_k, initial_acceptance_rate=rate,
+                                           draft_cost=draft_cost, verify_cost=verify_cost))
+        return policy.next_k("r", batch_size=1)
+
+    assert k_at(0.9, 0.0) == 4  # free drafts: the rate rule alone
+    # E(k) / (1 + k c) at rate 0.9, c = 0.3: 1.46, 1.59, 1.66, 1.70 -> every draft still pays
+    assert k_at(0.9, 0.25, 0.05) == 4
+    # rate 0.6, c = 0.3: E = 1.6, 1.96, 2.18 over 1.3, 1.6, 1.9 -> 1.23, 1.225, 1.15: k = 1
+    assert k_at(0.6, 0.3) == 1
+    # a drafter as costly as the target never pays: (1 + a) / 2 < 1 for every a < 1
+    assert k_at(0.95, 1.0) == 0
+    assert k_at(1.0, 1.0) == 0  # even a perfect drafter only breaks even: (1 + 1) / 2
+
+
+def test_costly_drafts_probe_less_often():
+    cheap = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.0, verify_cost=0.05))
+    costly = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=1.0, verify_cost=0.05,
+                                       max_probe_overhead=0.02))
+    assert cheap.probe_interval == 16
+    assert costly.probe_interval == 53  # one probe (1.05 steps of work) per 53 steps: <= 2%
+    ks = [costly.next_k("r", batch_size=1) for _ in range(106)]
+    assert ks.count(1) == 2 and ks[52] == 1 and ks[105] == 1
+
+
 def test_rate_counts_only_judged_drafts():
     # 2 of 4 accepted: drafts 0, 1 accepted, 2 rejected, 3 never judged -> 2/3, not 2/4.
     policy = AdaptiveK(AdaptiveKConfig(ema_weight=1.0))
@@ -99,3 +125,7 @@ def test_bad_input_raises():
         AdaptiveKConfig(batch_size_threshold=0)
     with pytest.raises(ValueError, match="probe_k"):
         AdaptiveKConfig(max_k=2, probe_k=3)
+    with pytest.raises(ValueError, match="draft_cost"):
+        AdaptiveKConfig(draft_cost=float("nan"))
+    with pytest.raises(ValueError, match="max_probe_overhead"):
+        AdaptiveKConfig(max_probe_overhead=0.0)
