@@ -43,15 +43,37 @@ def prompts(tokenizer) -> dict[str, list[int]]:
     }
 
 
-def decode_rate(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[float, list]:
-    def run(n):
-        t0 = time.perf_counter()
-        out = llm.generate(batch, SamplingParams(temperature=0, max_tokens=n))
-        return time.perf_counter() - t0, out
-    t_first, _ = run(1)
-    t_all, out = run(max_tokens + 1)
-    num_tokens = sum(len(o.token_ids) - 1 for o in out)
-    return num_tokens / (t_all - t_first), [o.token_ids for o in out]
+def timed(llm: LLM, batch: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    out = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return time.perf_counter() - t0, [o.token_ids for o in out]
+
+
+def decode_rates(engines: dict[str, LLM], batch: list[list[int]], max_tokens: int,
+                 repeats: int) -> dict[str, tuple[float, list, int, int]]:
+    """Per engine: decode tokens/s (time for max_tokens + 1 tokens minus time for 1, each the
+    best of ``repeats``), its outputs, and the speculative steps and accepted drafts of the
+    timed runs. Rounds interleave the engines, so drift in the machine's speed (it is a VM) hits
+    all of them alike; one untimed round warms them up first."""
+    best_first = dict.fromkeys(engines, float("inf"))
+    best_all = dict.fromkeys(engines, float("inf"))
+    outputs, steps, accepted = {}, dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
+    for round_ in range(repeats + 1):
+        for name, llm in engines.items():
+            before = llm.engine.spec_stats()
+            t_first, _ = timed(llm, batch, 1)
+            t_all, outputs[name] = timed(llm, batch, max_tokens + 1)
+            after = llm.engine.spec_stats()
+            if round_ == 0:
+                continue
+            best_first[name] = min(best_first[name], t_first)
+            best_all[name] = min(best_all[name], t_all)
+            if after:
+                steps[name] += after["num_spec_steps"] - before["num_spec_steps"]
+                accepted[name] += (sum(after["num_accepted_per_position"])
+                                   - sum(before["num_accepted_per_position"]))
+    return {name: (sum(len(t) - 1 for t in outputs[name]) / (best_all[name] - best_first[name]),
+                   outputs[name], steps[name], accepted[name]) for name in engines}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--methods", default="ngram,layer-skip,draft")
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many timings")
     parser.add_argument("--spec-k", type=int, default=4)
     parser.add_argument("--spec-layers", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=8,
@@ -78,21 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'prompt':18s} {'batch':>5s} {'method':>11s} {'tok/s':>8s} {'vs none':>8s} {'acc/step':>9s}")
     for name, ids in prompts(loaded.tokenizer).items():
         for batch_size in (int(b) for b in args.batches.split(",")):
-            batch = [ids] * batch_size
-            base_rate, base_tokens = decode_rate(engines["none"], batch, args.max_tokens)
+            rates = decode_rates(engines, [ids] * batch_size, args.max_tokens, args.repeats)
+            base_rate, base_tokens, _, _ = rates["none"]
             print(f"{name:18s} {batch_size:5d} {'none':>11s} {base_rate:8.1f} {'1.00x':>8s} {'':>9s}")
-            for method, llm in engines.items():
+            for method, (rate, tokens, steps, accepted) in rates.items():
                 if method == "none":
                     continue
-                before = llm.engine.spec_stats()
-                rate, tokens = decode_rate(llm, batch, args.max_tokens)
-                after = llm.engine.spec_stats()
-                steps = after["num_spec_steps"] - before["num_spec_steps"]
-                accepted = sum(after["num_accepted_per_position"]) - sum(before["num_accepted_per_position"])
                 same = "" if tokens == base_tokens else "  OUTPUT DIFFERS"
                 acc = f"{accepted / steps:9.2f}" if steps else "      off"
                 print(f"{name:18s} {batch_size:5d} {method:>11s} {rate:8.1f} {rate / base_rate:7.2f}x {acc}{same}")
-
 
 if __name__ == "__main__":
     main()

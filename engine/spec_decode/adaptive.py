@@ -17,7 +17,8 @@ decode is bandwidth-bound) and ``verify_cost`` to verify (the target's extra cos
 position). With E(k) = 1 + alpha + ... + alpha^k tokens per step expected, k drafts pay only if
 E(k) / (1 + k * (draft_cost + verify_cost)) > 1, so k is further capped at the k that maximises
 that ratio (0 when no k beats plain decoding): an expensive drafter on text it cannot predict
-switches itself off.
+switches itself off. A drafter whose draft_cost + verify_cost >= 1 cannot pay even when every
+draft is accepted ((k + 1) / (1 + k c) <= 1), so it never drafts, not even to probe.
 
 A request whose k fell to 0 proposes ``probe_k`` drafts every ``probe_interval`` steps so a
 change in the text (a quoted passage starts) can bring speculation back; with costly drafts the
@@ -89,7 +90,9 @@ class AdaptiveK:
     def __init__(self, config: AdaptiveKConfig | None = None) -> None:
         self.config = cfg = config or AdaptiveKConfig()
         probe_cost = cfg.probe_k * (cfg.draft_cost + cfg.verify_cost)
-        self.probe_interval = max(cfg.probe_interval, math.ceil(probe_cost / cfg.max_probe_overhead))
+        self.can_pay = cfg.draft_cost + cfg.verify_cost < 1.0
+        self.probe_interval = max(cfg.probe_interval,
+                                  math.ceil(probe_cost / cfg.max_probe_overhead - 1e-9))
         self._requests: dict[str, _RequestState] = {}
         self.num_proposed_per_position: list[int] = [0] * self.config.max_k  # drafts at position j
         self.num_accepted_per_position: list[int] = [0] * self.config.max_k  # of those, accepted
@@ -99,7 +102,7 @@ class AdaptiveK:
     def next_k(self, request_id: str, batch_size: int) -> int:
         """Drafts to propose for ``request_id`` in a step running ``batch_size`` requests."""
         cfg = self.config
-        if batch_size >= cfg.batch_size_threshold:
+        if batch_size >= cfg.batch_size_threshold or not self.can_pay:
             return 0
         state = self._state(request_id)
         k = self._k_for_rate(state.acceptance_rate)

@@ -75,12 +75,18 @@ def test_costly_drafts_cap_k_at_the_best_tokens_per_cost():
 
 def test_costly_drafts_probe_less_often():
     cheap = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.0, verify_cost=0.05))
-    costly = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=1.0, verify_cost=0.05,
-                                       max_probe_overhead=0.02))
+    costly = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.55, verify_cost=0.05,
+                                       initial_acceptance_rate=0.1, max_probe_overhead=0.02))
     assert cheap.probe_interval == 16
-    assert costly.probe_interval == 53  # one probe (1.05 steps of work) per 53 steps: <= 2%
-    ks = [costly.next_k("r", batch_size=1) for _ in range(106)]
-    assert ks.count(1) == 2 and ks[52] == 1 and ks[105] == 1
+    assert costly.probe_interval == 30  # one probe (0.6 steps of work) per 30 steps: <= 2%
+    ks = [costly.next_k("r", batch_size=1) for _ in range(60)]
+    assert ks.count(1) == 2 and ks[29] == 1 and ks[59] == 1
+
+
+def test_a_drafter_as_costly_as_the_target_never_drafts():
+    policy = AdaptiveK(AdaptiveKConfig(draft_cost=0.95, verify_cost=0.05, initial_acceptance_rate=1.0))
+    assert not policy.can_pay
+    assert [policy.next_k("r", batch_size=1) for _ in range(200)] == [0] * 200  # no probes either
 
 
 def test_rate_counts_only_judged_drafts():
