@@ -129,7 +129,7 @@ class SpecConfig:
     k: int = 4
     draft_model: str | None = None
     num_layers: int | None = None
-    max_batch: int = 8
+    max_batch: int = 16
     ngram_min: int = 1
     ngram_max: int = 4
     draft_cost: float | None = None

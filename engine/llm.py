@@ -72,7 +72,7 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", dtype: str = "float32",
                  enable_prefix_caching: bool = True, spec_method: str | None = None,
                  spec_k: int = 4, draft_model: str | None = None, spec_layers: int | None = None,
-                 spec_max_batch: int = 8, spec_draft_cost: float | None = None) -> None:
+                 spec_max_batch: int = 16, spec_draft_cost: float | None = None) -> None:
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         if max_model_len is not None:
             loaded = dataclasses.replace(

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings")
     parser.add_argument("--spec-k", type=int, default=4)
     parser.add_argument("--spec-layers", type=int, default=8)
-    parser.add_argument("--max-batch", type=int, default=8,
+    parser.add_argument("--max-batch", type=int, default=16,
                         help="adaptive threshold: no speculation at or above this batch size")
     args = parser.parse_args(argv)
     loaded = load_model(None)

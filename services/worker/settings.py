@@ -60,7 +60,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--draft-model", default=None, help="draft model path for --spec-method draft")
     add(parser, "--spec-layers", type=int, default=None,
         help="layers of the target used as the drafter for --spec-method layer-skip")
-    add(parser, "--spec-max-batch", type=int, default=8,
+    add(parser, "--spec-max-batch", type=int, default=16,
         help="no speculation at or above this many running requests")
     add(parser, "--spec-draft-cost", type=float, default=None,
         help="one draft token's cost in target decode steps (default: estimated from weight bytes)")
@@ -70,7 +70,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     return SpecConfig(method=getattr(args, "spec_method", None), k=getattr(args, "spec_k", 4),
                       draft_model=getattr(args, "draft_model", None),
                       num_layers=getattr(args, "spec_layers", None),
-                      max_batch=getattr(args, "spec_max_batch", 8),
+                      max_batch=getattr(args, "spec_max_batch", 16),
                       draft_cost=getattr(args, "spec_draft_cost", None))
 
 
