@@ -38,13 +38,8 @@ constexpr int64_t kSerialCost = 8192;  // below this many (query head x key) dot
 constexpr int64_t kItemsPerThread = 8;  // fewer items than this per thread: split their keys
 constexpr int64_t kMinSplitKeys = 256;  // ... into parts of at least this many keys
 
-typedef int vint __attribute__((vector_size(kLanes * sizeof(int))));
-
-// Lane permutations for the reductions below (GCC __builtin_shuffle: index >= kLanes picks
-// from the second operand).
-constexpr vint kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-constexpr vint kSwap[4] = {kIota ^ 8, kIota ^ 4, kIota ^ 2, kIota ^ 1};  // lane <-> lane ^ w
-// fold at width w: within each 2w-lane group, the first w lanes come from a, the next w from b
+// Lane permutations for transpose_sum (GCC __builtin_shuffle: index >= kLanes picks from the
+// second operand). Fold at width w: within each 2w-lane group, the first w lanes come from a, the next w from b
 constexpr vint kFoldLo[4] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
     {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
@@ -54,22 +49,8 @@ constexpr vint kFoldHi[4] = {kFoldLo[0] + 8, kFoldLo[1] + 4, kFoldLo[2] + 2, kFo
 // after the four folds, lane j holds the sum of input bit_reversed(j)
 constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
-// Tree reductions (vec.h's vsum / vmax_lane go lane by lane, a 15-step dependency chain).
-inline float hsum(vfloat v) {
-  for (const vint& swap : kSwap) v += __builtin_shuffle(v, swap);
-  return v[0];
-}
-
-inline float hmax(vfloat v) {
-  for (const vint& swap : kSwap) {
-    vfloat other = __builtin_shuffle(v, swap);
-    v = v > other ? v : other;
-  }
-  return v[0];
-}
-
 // sixteen vectors -> one: lane j = the lane sum of rows[kBitReversed[j]] (15 adds, 30 shuffles
-// instead of sixteen separate hsums)
+// instead of sixteen separate vsums)
 inline vfloat transpose_sum(vfloat* rows) {
   int count = kLanes;
   for (int level = 0; level < 4; ++level) {
@@ -221,10 +202,10 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
       if (visible <= 0) continue;
       const vfloat scores = tile_scores<NV>(&s.q[i * L.head_dim], k_rows, L.k_stride_slot, visible, nv);
       // online softmax: rescale what was accumulated when the running max grows
-      const float m_new = std::max(s.m[i], hmax(scores));
+      const float m_new = std::max(s.m[i], vmax_lane(scores));
       const float correction = std::exp2(s.m[i] - m_new);
       const vfloat weights = vexp2(scores - m_new);
-      s.l[i] = s.l[i] * correction + hsum(weights);
+      s.l[i] = s.l[i] * correction + vsum(weights);
       s.m[i] = m_new;
       float* acc_i = &s.acc[i * L.head_dim];
       vfloat acc[kMaxHeadVectors];

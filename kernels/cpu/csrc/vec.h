@@ -22,16 +22,24 @@ inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 inline vfloat vsplat(float x) { return vfloat{} + x; }
 
+typedef int vint __attribute__((vector_size(kLanes * sizeof(int))));
+
+// lane <-> lane ^ w for w = 8, 4, 2, 1: the butterfly of the tree reductions below
+constexpr vint kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+constexpr vint kSwap[4] = {kIota ^ 8, kIota ^ 4, kIota ^ 2, kIota ^ 1};
+
+// Horizontal sum and max as log2(kLanes) shuffle steps, not a 15-step lane-by-lane chain.
 inline float vsum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  for (const vint& swap : kSwap) v += __builtin_shuffle(v, swap);
+  return v[0];
 }
 
 inline float vmax_lane(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  for (const vint& swap : kSwap) {
+    const vfloat other = __builtin_shuffle(v, swap);
+    v = v > other ? v : other;
+  }
+  return v[0];
 }
 
 }  // namespace pdserve
