@@ -14,7 +14,8 @@ is the longest run whose last draft still has a chance of at least ``min_draft_a
 Drafts are not free: a draft token costs ``draft_cost`` target decode steps to produce (0 for
 n-gram lookup, the drafter's share of the target's weight bytes for a model drafter, since
 decode is bandwidth-bound) and ``verify_cost`` to verify (the target's extra cost per verified
-position). With E(k) = 1 + alpha + ... + alpha^k tokens per step expected, k drafts pay only if
+position at batch 1). Verification stops being nearly free as the batch grows (the matmuls turn
+compute-bound), so at batch B the verify cost is verify_cost * max(1, B / verify_batch_knee). With E(k) = 1 + alpha + ... + alpha^k tokens per step expected, k drafts pay only if
 E(k) / (1 + k * (draft_cost + verify_cost)) > 1, so k is further capped at the k that maximises
 that ratio (0 when no k beats plain decoding): an expensive drafter on text it cannot predict
 switches itself off. A drafter whose draft_cost + verify_cost >= 1 cannot pay even when every
@@ -50,6 +51,7 @@ class AdaptiveKConfig:
     probe_k: int = 1
     draft_cost: float = 0.0
     verify_cost: float = 0.0
+    verify_batch_knee: float = 3.0
     max_probe_overhead: float = 0.02
 
     def __post_init__(self) -> None:
@@ -69,6 +71,8 @@ class AdaptiveKConfig:
         for name in ("draft_cost", "verify_cost"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"AdaptiveKConfig.{name} must be finite and >= 0, got {getattr(self, name)}")
+        if not 1.0 <= self.verify_batch_knee < math.inf:
+            raise ValueError(f"AdaptiveKConfig.verify_batch_knee must be >= 1, got {self.verify_batch_knee}")
         if not 0.0 < self.max_probe_overhead <= 1.0:
             raise ValueError(
                 f"AdaptiveKConfig.max_probe_overhead must be in (0, 1], got {self.max_probe_overhead}")
@@ -105,7 +109,7 @@ class AdaptiveK:
         if batch_size >= cfg.batch_size_threshold or not self.can_pay:
             return 0
         state = self._state(request_id)
-        k = self._k_for_rate(state.acceptance_rate)
+        k = self._k_for_rate(state.acceptance_rate, batch_size)
         if k > 0:
             state.num_idle_steps = 0
             return k
@@ -156,14 +160,14 @@ class AdaptiveK:
             state = self._requests[request_id] = _RequestState(self.config.initial_acceptance_rate)
         return state
 
-    def _k_for_rate(self, rate: float) -> int:
+    def _k_for_rate(self, rate: float, batch_size: int = 1) -> int:
         cfg = self.config
         if rate <= 0.0:
             return 0
         k = cfg.max_k if rate >= 1.0 else math.floor(
             math.log(cfg.min_draft_accept_prob) / math.log(rate) + 1e-9)
         k = max(0, min(cfg.max_k, k))
-        cost_per_draft = cfg.draft_cost + cfg.verify_cost
+        cost_per_draft = cfg.draft_cost + cfg.verify_cost * max(1.0, batch_size / cfg.verify_batch_knee)
         if cost_per_draft == 0.0 or k == 0:
             return k
         # the k <= the rate rule's k that gives the most tokens per unit of target time

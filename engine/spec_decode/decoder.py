@@ -26,8 +26,10 @@ PLACEHOLDER_TOKEN = 0  # a model drafter's slot before fill() writes the real dr
 # The target's extra cost per verified draft position, as a fraction of a one-token decode step
 # at batch 1: forward + logits at context 150 on the compiled CPU backend took 14.3 ms for one
 # position, 15.7 / 17.3 / 17.7 / 19.6 ms for 2 / 3 / 5 / 8 (0.10 per draft for 1-2 drafts,
-# 0.06 for 4-7; docs/benchmarks.md).
+# 0.06 for 4-7; docs/benchmarks.md). Past ~3 rows the matmuls turn compute-bound: one draft per
+# request costs +24% at batch 8 (M 8 -> 16) and +57% at batch 16 (M 16 -> 32), hence the knee.
 VERIFY_COST_PER_DRAFT = 0.08
+VERIFY_BATCH_KNEE = 3.0
 
 
 class SpecDecoder:
@@ -59,7 +61,8 @@ class SpecDecoder:
             draft_cost = config.draft_cost
         self.adaptive = AdaptiveK(AdaptiveKConfig(
             max_k=config.k, batch_size_threshold=config.max_batch, probe_k=1,
-            draft_cost=draft_cost, verify_cost=VERIFY_COST_PER_DRAFT))
+            draft_cost=draft_cost, verify_cost=VERIFY_COST_PER_DRAFT,
+            verify_batch_knee=VERIFY_BATCH_KNEE))
         self.draft_probs: dict[str, torch.Tensor | None] = {}
 
     def plan(self, running: list[Request], max_model_len: int) -> None:

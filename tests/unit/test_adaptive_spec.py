@@ -73,6 +73,16 @@ def test_costly_drafts_cap_k_at_the_best_tokens_per_cost():
     assert k_at(1.0, 1.0) == 0  # even a perfect drafter only breaks even: (1 + 1) / 2
 
 
+def test_verification_costs_more_in_a_bigger_batch():
+    policy = AdaptiveK(AdaptiveKConfig(max_k=4, batch_size_threshold=64, initial_acceptance_rate=0.8,
+                                       verify_cost=0.1, verify_batch_knee=4.0))
+    # rate 0.8: E(k) = 1.8, 2.44, 2.952, 3.3616. Batch 2: c = 0.1 -> 1.64, 2.03, 2.27, 2.40: k = 4.
+    assert policy.next_k("r", batch_size=2) == 4
+    # Batch 16: c = 0.4 -> 1.29, 1.36, 1.34, 1.29: k = 2. Batch 40: c = 1.0 -> 0.9, ...: none.
+    assert policy.next_k("r", batch_size=16) == 2
+    assert policy.next_k("r", batch_size=40) == 0
+
+
 def test_costly_drafts_probe_less_often():
     cheap = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.0, verify_cost=0.05))
     costly = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.55, verify_cost=0.05,
