@@ -93,3 +93,20 @@ def dense_attention(case: AttentionCase) -> torch.Tensor:
                                              attn_mask=mask, scale=case.scale)
         out[cu[i]:cu[i + 1]] = res.transpose(0, 1)
     return out
+
+
+def draw_attention_batch(data, *, long_query: int, head_groups: list[tuple[int, int]],
+                         block_sizes: list[int]) -> dict:
+    """A random batch for the hypothesis tests (``data`` is ``st.data()``): 1-5 sequences of 1-100
+    tokens, each with a decode, 3-token, ``long_query``-token or whole-prompt query. Returns the
+    shape arguments every attention case builder takes: seq_lens, query_lens, num_heads,
+    num_kv_heads, block_size, seed."""
+    from hypothesis import strategies as st
+
+    num_seqs = data.draw(st.integers(1, 5))
+    seq_lens = data.draw(st.lists(st.integers(1, 100), min_size=num_seqs, max_size=num_seqs))
+    query_lens = [data.draw(st.sampled_from([1, 1, min(n, 3), min(n, long_query), n])) for n in seq_lens]
+    num_kv_heads, group = data.draw(st.sampled_from(head_groups))
+    return dict(seq_lens=seq_lens, query_lens=query_lens, num_heads=num_kv_heads * group,
+                num_kv_heads=num_kv_heads, block_size=data.draw(st.sampled_from(block_sizes)),
+                seed=data.draw(st.integers(0, 2**16)))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kernels.cpu import CpuKernelsUnavailable, library
 from kernels.paged_attention_ref import paged_attention_ref
+from tests.kernels.helpers import draw_attention_batch
 
 try:
     library("attention")
@@ -132,13 +133,9 @@ def test_two_threads_and_split_kv():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_batches(data):
-    num_seqs = data.draw(st.integers(1, 5))
-    seq_lens = data.draw(st.lists(st.integers(1, 100), min_size=num_seqs, max_size=num_seqs))
-    query_lens = [data.draw(st.sampled_from([1, 1, min(n, 3), min(n, 9), n])) for n in seq_lens]
-    num_kv_heads, group = data.draw(st.sampled_from([(1, 1), (2, 3), (1, 8), (3, 3)]))
-    block_size = data.draw(st.sampled_from([8, 16, 32]))
-    assert_matches_reference(make_case(seq_lens, query_lens, num_kv_heads * group, num_kv_heads,
-                                       32, block_size, seed=data.draw(st.integers(0, 2**16))))
+    batch = draw_attention_batch(data, long_query=9, head_groups=[(1, 1), (2, 3), (1, 8), (3, 3)],
+                                 block_sizes=[8, 16, 32])
+    assert_matches_reference(make_case(head_dim=32, **batch))
 
 
 def _bad(index: int, value):

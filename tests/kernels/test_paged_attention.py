@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.paged_attention import paged_attention, paged_attention_ref
-from tests.kernels.helpers import (DEVICE, assert_close, dense_attention, make_attention_case,
-                                   requires_triton)
+from tests.kernels.helpers import (DEVICE, assert_close, dense_attention, draw_attention_batch,
+                                   make_attention_case, requires_triton)
 
 # (seq_lens, query_lens): each batch mixes decode (q_len 1), a single-token context, chunks that
 # end exactly on a block boundary (64, 32 with block sizes 16 and 32), prefill on a cached
@@ -108,14 +108,10 @@ def test_triton_strided_query_and_out():
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_triton_matches_reference_random_batches(data):
-    num_seqs = data.draw(st.integers(1, 5))
-    seq_lens = data.draw(st.lists(st.integers(1, 100), min_size=num_seqs, max_size=num_seqs))
-    query_lens = [data.draw(st.sampled_from([1, 1, min(n, 3), min(n, 17), n])) for n in seq_lens]
-    num_kv_heads, group = data.draw(st.sampled_from([(1, 1), (2, 3), (1, 8), (3, 2)]))
-    block_size = data.draw(st.sampled_from([16, 32]))
+    batch = draw_attention_batch(data, long_query=17, head_groups=[(1, 1), (2, 3), (1, 8), (3, 2)],
+                                 block_sizes=[16, 32])
     num_splits = data.draw(st.sampled_from([1, 1, 4]))
-    case = make_attention_case(seq_lens, query_lens, num_kv_heads * group, num_kv_heads, 16,
-                               block_size, seed=data.draw(st.integers(0, 2**16)))
+    case = make_attention_case(head_dim=16, **batch)
     assert_close(paged_attention(*case.args(), num_splits=num_splits),
                  paged_attention_ref(*case.args()), torch.float32)
 
