@@ -92,11 +92,8 @@ class AdaptiveK:
     """Per-request k from a moving acceptance rate, plus global per-position statistics."""
 
     def __init__(self, config: AdaptiveKConfig | None = None) -> None:
-        self.config = cfg = config or AdaptiveKConfig()
-        probe_cost = cfg.probe_k * (cfg.draft_cost + cfg.verify_cost)
-        self.can_pay = cfg.draft_cost + cfg.verify_cost < 1.0
-        self.probe_interval = max(cfg.probe_interval,
-                                  math.ceil(probe_cost / cfg.max_probe_overhead - 1e-9))
+        self.config = config or AdaptiveKConfig()
+        self.can_pay = self.cost_per_draft(1) < 1.0
         self._requests: dict[str, _RequestState] = {}
         self.num_proposed_per_position: list[int] = [0] * self.config.max_k  # drafts at position j
         self.num_accepted_per_position: list[int] = [0] * self.config.max_k  # of those, accepted
@@ -114,7 +111,7 @@ class AdaptiveK:
             state.num_idle_steps = 0
             return k
         state.num_idle_steps += 1
-        if state.num_idle_steps >= self.probe_interval:
+        if state.num_idle_steps >= self.probe_interval(batch_size):
             state.num_idle_steps = 0
             return cfg.probe_k
         return 0
@@ -160,14 +157,26 @@ class AdaptiveK:
             state = self._requests[request_id] = _RequestState(self.config.initial_acceptance_rate)
         return state
 
-    def _k_for_rate(self, rate: float, batch_size: int = 1) -> int:
+    def cost_per_draft(self, batch_size: int) -> float:
+        """One draft's cost in target decode steps, in a step running ``batch_size`` requests."""
+        cfg = self.config
+        return cfg.draft_cost + cfg.verify_cost * max(1.0, batch_size / cfg.verify_batch_knee)
+
+    def probe_interval(self, batch_size: int) -> int:
+        """Idle steps between probes: at least ``probe_interval``, more where a probe costs more
+        than ``max_probe_overhead`` of that many plain steps."""
+        cfg = self.config
+        probe_cost = cfg.probe_k * self.cost_per_draft(batch_size)
+        return max(cfg.probe_interval, math.ceil(probe_cost / cfg.max_probe_overhead - 1e-9))
+
+    def _k_for_rate(self, rate: float, batch_size: int) -> int:
         cfg = self.config
         if rate <= 0.0:
             return 0
         k = cfg.max_k if rate >= 1.0 else math.floor(
             math.log(cfg.min_draft_accept_prob) / math.log(rate) + 1e-9)
         k = max(0, min(cfg.max_k, k))
-        cost_per_draft = cfg.draft_cost + cfg.verify_cost * max(1.0, batch_size / cfg.verify_batch_knee)
+        cost_per_draft = self.cost_per_draft(batch_size)
         if cost_per_draft == 0.0 or k == 0:
             return k
         # the k <= the rate rule's k that gives the most tokens per unit of target time

@@ -87,8 +87,10 @@ def test_costly_drafts_probe_less_often():
     cheap = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.0, verify_cost=0.05))
     costly = AdaptiveK(AdaptiveKConfig(probe_interval=16, draft_cost=0.55, verify_cost=0.05,
                                        initial_acceptance_rate=0.1, max_probe_overhead=0.02))
-    assert cheap.probe_interval == 16
-    assert costly.probe_interval == 30  # one probe (0.6 steps of work) per 30 steps: <= 2%
+    assert cheap.probe_interval(1) == 16
+    assert costly.probe_interval(1) == 30  # one probe (0.6 steps of work) per 30 steps: <= 2%
+    # batch 9 (verify_batch_knee 3): verification costs 0.15, a probe 0.7 steps -> every 35 steps
+    assert costly.probe_interval(9) == 35 and cheap.probe_interval(9) == 16
     ks = [costly.next_k("r", batch_size=1) for _ in range(60)]
     assert ks.count(1) == 2 and ks[29] == 1 and ks[59] == 1
 
