@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve_cpu"
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wall"]
-LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one pool
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wall")
+LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname): one pool
 
 
 class CpuKernelsUnavailable(RuntimeError):
@@ -59,8 +59,10 @@ def library(name: str):
 
     source = CSRC / f"{name}.cpp"
     try:
-        cpp_extension.load(name=f"{NAMESPACE}_{name}", sources=[str(source)], extra_cflags=CFLAGS,
-                           extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)],
+        # fresh lists: load() appends its own flags to the ones it is given
+        cpp_extension.load(name=f"{NAMESPACE}_{name}", sources=[str(source)],
+                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                           extra_include_paths=[str(CSRC)],
                            is_python_module=False, build_directory=str(_build_directory(source)),
                            verbose=False)
     except Exception as exc:  # compiler missing or failing: say why, callers fall back
@@ -68,17 +70,18 @@ def library(name: str):
     return getattr(torch.ops, NAMESPACE)
 
 
+def build_all() -> list[str]:
+    """Build and load every library; returns their names."""
+    for name in sources():
+        library(name)
+    return sources()
+
+
 def available() -> bool:
     try:
-        for name in sources():
-            library(name)
+        build_all()
     except CpuKernelsUnavailable as exc:
         logger.warning("%s", exc)
         return False
     return True
 
-
-if __name__ == "__main__":
-    for name in sources():
-        library(name)
-    print(f"pdserve CPU kernels built: {', '.join(sources())}")
