@@ -165,18 +165,18 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
         for role, count, index in (("prefill", args.prefill, 0), ("decode", args.decode, 1)):
             if split is not None:
                 cpus = split[index]
-                pinning = ["--cpus", ",".join(map(str, cpus)),
-                           "--num-threads", str(max(1, len(cpus) // count))]
+                cpu_args = ["--cpus", ",".join(map(str, cpus)),
+                            "--num-threads", str(max(1, len(cpus) // count))]
             else:  # share the cores: a fork-join pool wider than its share stalls at every barrier
                 share = len(os.sched_getaffinity(0)) // (args.prefill + args.decode)
-                pinning = ["--num-threads", str(max(1, share))]
+                cpu_args = ["--num-threads", str(max(1, share))]
             for i in range(count):
                 port = free_port()
                 name = f"{role}-{i}"
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *model, *pinning, *extra,
+                    "--drain-grace-s", str(args.drain_grace_s), *model, *cpu_args, *extra,
                     *(spec_argv(args) if role == "decode" else [])],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
