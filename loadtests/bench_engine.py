@@ -83,7 +83,7 @@ def pdserve_decode_rates(llm: LLM, batches: dict[str, list[list[int]]], num_toke
         for i, (name, prompts) in enumerate(batches.items()):
             t_full = _generate_time(llm, prompts, num_tokens + 1)
             rate = len(prompts) * num_tokens / (t_full - first[name])
-            if rate > best.get(name, 0.0):
+            if rate > best.get(name, float("-inf")):
                 best[name] = rate
                 if i == 0:
                     best_bandwidth = bandwidth
