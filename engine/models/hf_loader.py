@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import ModelConfig, RopeScaling
-from engine.models.tokenizer import Tokenizer
+from engine.models.tokenizer import Tokenizer, read_json_object
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -97,13 +97,7 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} is not an HF model directory: it has no config.json")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path)
 
 
 def _architecture(config: dict[str, Any], model_dir: Path) -> str:

@@ -101,7 +101,7 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json (only fast-tokenizer files are supported)")
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        tokenizer_config = read_json_object(model_dir / "tokenizer_config.json")
         template = _hf_chat_template(model_dir, tokenizer_config)
         special = {name: _token_content(tokenizer_config.get(name))
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -184,7 +184,7 @@ def hf_eos_token_ids(model_dir: str | Path) -> list[int]:
     """eos ids named by config.json and generation_config.json (each an int, a list, or absent)."""
     ids: list[int] = []
     for name in ("config.json", "generation_config.json"):
-        value = _read_json(Path(model_dir) / name).get("eos_token_id")
+        value = read_json_object(Path(model_dir) / name).get("eos_token_id")
         ids.extend(value if isinstance(value, list) else [] if value is None else [value])
     return list(dict.fromkeys(ids))
 
@@ -257,7 +257,9 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when there is no such file. Invalid JSON, or JSON that is
+    not an object, is a ValueError naming the file."""
     if not path.is_file():
         return {}
     try:
