@@ -15,11 +15,15 @@ Drafts are not free: a draft token costs ``draft_cost`` target decode steps to p
 n-gram lookup, the drafter's share of the target's weight bytes for a model drafter, since
 decode is bandwidth-bound) and ``verify_cost`` to verify (the target's extra cost per verified
 position at batch 1). Verification stops being nearly free as the batch grows (the matmuls turn
-compute-bound), so at batch B the verify cost is verify_cost * max(1, B / verify_batch_knee). With E(k) = 1 + alpha + ... + alpha^k tokens per step expected, k drafts pay only if
-E(k) / (1 + k * (draft_cost + verify_cost)) > 1, so k is further capped at the k that maximises
-that ratio (0 when no k beats plain decoding): an expensive drafter on text it cannot predict
-switches itself off. A drafter whose draft_cost + verify_cost >= 1 cannot pay even when every
-draft is accepted ((k + 1) / (1 + k c) <= 1), so it never drafts, not even to probe.
+compute-bound), so in a step of B requests one draft costs
+
+    c(B) = draft_cost + verify_cost * max(1, B / verify_batch_knee).
+
+With E(k) = 1 + alpha + ... + alpha^k tokens per step expected, k drafts pay only if
+E(k) / (1 + k * c(B)) > 1, so k is further capped at the k that maximises that ratio (0 when no
+k beats plain decoding): an expensive drafter on text it cannot predict switches itself off. A
+drafter with c(1) >= 1 cannot pay even when every draft is accepted ((k + 1) / (1 + k c) <= 1),
+so it never drafts, not even to probe.
 
 A request whose k fell to 0 proposes ``probe_k`` drafts every ``probe_interval`` steps so a
 change in the text (a quoted passage starts) can bring speculation back; with costly drafts the
