@@ -1,6 +1,10 @@
-"""``python -m kernels.cpu``: build every compiled CPU kernel library now (the Makefile does,
-once per install), so no test or worker pays for the compiler."""
+"""``python -m kernels.cpu [ISA ...]``: build the compiled CPU kernel libraries now (the Makefile
+does, once per install), so no test or worker pays for the compiler. With no argument it builds
+``$PDSERVE_CPU_ISA`` (default ``native``)."""
 
-from kernels.cpu import build_all
+import sys
 
-print(f"pdserve CPU kernels built: {', '.join(build_all())}")
+from kernels.cpu import build_all, default_isa
+
+for isa in sys.argv[1:] or [default_isa()]:
+    print(f"pdserve CPU kernels built for {isa}: {', '.join(build_all(isa))}")

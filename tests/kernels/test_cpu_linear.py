@@ -66,8 +66,8 @@ def test_each_library_builds_into_one_directory_whatever_was_loaded_before(tmp_p
     # cpp_extension.load appends to the flag lists it is given; flags shared by reference once
     # changed the cache key after the first load, so every process rebuilt the other libraries
     script = ("from kernels.cpu import CSRC, _build_directory, build_all, sources\n"
-              "dirs = lambda: [_build_directory(CSRC / f'{n}.cpp') for n in sources()]\n"
-              "before = dirs(); build_all(); print(before == dirs())\n")
+              "dirs = lambda: [_build_directory(CSRC / f'{n}.cpp', 'native') for n in sources()]\n"
+              "before = dirs(); build_all('native'); print(before == dirs())\n")
     env = {**os.environ, "PDSERVE_CACHE_DIR": os.environ.get("PDSERVE_CACHE_DIR", "")}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={k: v for k, v in env.items() if v}, timeout=300, check=True)

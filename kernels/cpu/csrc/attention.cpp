@@ -404,7 +404,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 }  // namespace
 }  // namespace pdserve
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_NAMESPACE, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, float scale, Tensor(a!) out, "

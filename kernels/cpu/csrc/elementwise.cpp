@@ -316,7 +316,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }  // namespace
 }  // namespace pdserve
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_NAMESPACE, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pdserve::rms_norm);
   m.def("rms_norm_residual(Tensor x, Tensor weight, float eps, Tensor residual) -> (Tensor, Tensor)",
         &pdserve::rms_norm_residual);

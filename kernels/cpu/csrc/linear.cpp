@@ -120,7 +120,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
 }  // namespace
 }  // namespace pdserve
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PDSERVE_NAMESPACE, m) {
   m.def("linear(Tensor x, Tensor panels, int out_features) -> Tensor", &pdserve::linear);
   m.def("linear_lanes() -> int", [] { return static_cast<int64_t>(pdserve::kLanes); });
 }
