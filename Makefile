@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	# Compile the CPU kernels now (cached per machine) rather than inside the first test or worker;
 	# a machine without a compiler falls back to the torch backend, so this may not fail the install.
 	$(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"
+	# Measure which of the compiled kernel and torch's op serves each op here (cached per CPU,
+	# ISA, torch and kernel source), for the whole machine and for a worker of `pdserve up`.
+	$(PY) -m loadtests.bench_kernels --cached --threads $$(nproc),$$(( $$(nproc) / 2 > 0 ? $$(nproc) / 2 : 1 )) \
+		|| echo "CPU kernels not calibrated: the first engine start will do it"
 	touch $(STAMP)
 
 up: $(STAMP)

@@ -1,6 +1,6 @@
 """Backend dispatch: one small table of callables per backend, picked once by the model.
 
-    ops = get_ops(select_backend(device))
+    ops = get_ops(select_backend(device), dims)   # dims: kernels.calibration.ModelDims
     ops.rms_norm(x, weight, eps, residual=None)       -> out | (out, residual_out)
     ops.rotary(q, k, positions, cos_sin_cache)        in place
     ops.silu_and_mul(x)                               -> [N, I]
@@ -10,8 +10,10 @@
     ops.pack_linear(w_t)                              -> weight handle, once at load
     ops.linear(x, weight)                             -> x @ w_t
 
-'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' runs
-the compiled CPU kernels of ``kernels.cpu`` (fp32), the production CPU path. 'torch' runs the
+'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' is
+the production fp32 CPU path: for each op and size class, whichever of the compiled kernel
+(``kernels.cpu``) and torch's own op was measured faster on this machine for the model's shapes
+(``kernels.calibration``; without ``dims``, the compiled kernels everywhere). 'torch' runs the
 pure-torch references: the fallback where the CPU kernels cannot be built, and the oracle the
 other two are tested against. All backends share one contract per op; see each kernel module's
 docstring.
@@ -58,8 +60,9 @@ def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float3
     return "torch"
 
 
-def get_ops(backend: str) -> Ops:
-    """The op table of ``backend`` ('triton', 'cpu' or 'torch')."""
+def get_ops(backend: str, dims=None) -> Ops:
+    """The op table of ``backend`` ('triton', 'cpu' or 'torch'); for 'cpu', ``dims``
+    (``kernels.calibration.ModelDims``) selects the measured mix, None the compiled kernels."""
     from kernels.linear import linear_ref, pack_linear_ref
 
     if backend == "torch":
@@ -73,13 +76,11 @@ def get_ops(backend: str) -> Ops:
                    store_kv=store_kv_ref, paged_attention=paged_attention_ref,
                    pack_linear=pack_linear_ref, linear=linear_ref)
     if backend == "cpu":
-        from kernels.cpu import elementwise
-        from kernels.cpu.attention import paged_attention
-        from kernels.cpu.linear import linear, pack_weight
+        if dims is None:
+            return compiled_ops()
+        from kernels.calibration import calibrate, measured_ops
 
-        return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
-                   silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
-                   paged_attention=paged_attention, pack_linear=pack_weight, linear=linear)
+        return measured_ops(calibrate(dims))
     if backend == "triton":
         from kernels.activation import silu_and_mul
         from kernels.paged_attention import paged_attention
@@ -91,3 +92,14 @@ def get_ops(backend: str) -> Ops:
                    store_kv=store_kv, paged_attention=paged_attention,
                    pack_linear=pack_linear_ref, linear=linear_ref)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
+
+
+def compiled_ops() -> Ops:
+    """The compiled CPU kernels for every op (``$PDSERVE_CPU_ISA``)."""
+    from kernels.cpu import elementwise
+    from kernels.cpu.attention import paged_attention
+    from kernels.cpu.linear import linear, pack_weight
+
+    return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
+               silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
+               paged_attention=paged_attention, pack_linear=pack_weight, linear=linear)

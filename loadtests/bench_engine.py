@@ -3,10 +3,12 @@
     python -m loadtests.bench_engine [--model PATH] [--decode-tokens 32] [--skip-hf]
     pdserve bench engine ...
 
-Reports: model load time; prefill tokens/s; decode tokens/s at batch 1 and batch 16 (both
-for pdserve and for HF ``generate`` on the same weights and prompts), printed as ratios;
-the memory-bandwidth bound (weight bytes per decode step / measured memcpy bandwidth) and
-the fraction of it reached at batch 1; offline throughput at 1, 8 and 32 concurrent requests.
+Reports, for the engine as it runs by default and for the pure-torch backend in the same
+process (``--backends``; rounds interleave them so drift hits both alike): prefill tokens/s;
+decode tokens/s at batch 1 and batch 16; offline throughput at 1, 8 and 32 concurrent
+requests; HF ``generate`` on the same weights and prompts; ratios between them; the
+memory-bandwidth bound (weight bytes per decode step / measured bandwidth) and the fraction of
+it reached at batch 1. ``PDSERVE_CPU_ISA=avx2`` measures the AVX2 build of the kernels.
 Decode rates are (time for N+1 new tokens - time for 1 new token) / N, so prefill is excluded
 on both sides.
 """
@@ -22,6 +24,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_model
+from engine.runner.cpu_threads import configure_cpu_threads
+from kernels.ops import BACKEND_ENV
 
 
 @contextlib.contextmanager
@@ -67,29 +71,6 @@ def _generate_time(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
     return time.perf_counter() - t0
 
 
-def pdserve_decode_rates(llm: LLM, batches: dict[str, list[list[int]]], num_tokens: int,
-                         repeats: int) -> tuple[dict[str, float], tuple[float, float]]:
-    """Decode tokens/s (prefill excluded) of each batch, the best of ``repeats`` rounds that
-    interleave the batches, each round opened by a bandwidth measurement. Returns the rates and
-    the (copy, read) bandwidth of the round that gave the first batch's best rate: this VM's
-    memory bandwidth drifts between states (streaming reads of 40 and of 70 GB/s seen minutes
-    apart), so a rate is set against the bound measured alongside it, not in another state."""
-    first = {name: min(_generate_time(llm, p, 1) for _ in range(repeats)) for name, p in batches.items()}
-    best: dict[str, float] = {}
-    best_bandwidth = (0.0, 0.0)
-    for _ in range(repeats):
-        with torch_threads(len(os.sched_getaffinity(0))):  # the machine's bandwidth, every core
-            bandwidth = memcpy_bandwidth()
-        for i, (name, prompts) in enumerate(batches.items()):
-            t_full = _generate_time(llm, prompts, num_tokens + 1)
-            rate = len(prompts) * num_tokens / (t_full - first[name])
-            if rate > best.get(name, float("-inf")):
-                best[name] = rate
-                if i == 0:
-                    best_bandwidth = bandwidth
-    return best, best_bandwidth
-
-
 def hf_decode_rate(hf, prompts: list[list[int]], num_tokens: int, repeats: int) -> float:
     input_ids = torch.tensor(prompts)
     mask = torch.ones_like(input_ids)
@@ -122,15 +103,49 @@ def hf_baseline(model: str | None, long_prompt, batch1, batch16, args) -> list[f
             hf_decode_rate(hf, batch16, args.decode_tokens, args.repeats)]
 
 
-def throughputs(llm: LLM, tokenizer, concurrencies: tuple[int, ...], max_tokens: int,
-                repeats: int) -> dict[int, float]:
-    """Output tokens/s at each concurrency, best of ``repeats`` rounds over all of them."""
-    prompts = {c: prompts_of_length(tokenizer, 64, c) for c in concurrencies}
-    best = dict.fromkeys(concurrencies, 0.0)
-    for _ in range(repeats):
-        for c in concurrencies:
-            best[c] = max(best[c], c * max_tokens / _generate_time(llm, prompts[c], max_tokens))
-    return best
+class EngineLines:
+    """One engine's lines, each the best over the rounds: prefill tokens/s, decode tokens/s at
+    batch 1 and 16 (prefill excluded), output tokens/s at each concurrency."""
+
+    def __init__(self, llm: LLM, tokenizer, args) -> None:
+        self.llm, self.args = llm, args
+        self.long_prompt = prompts_of_length(tokenizer, 1024, 1)
+        self.batches = {"batch 1": prompts_of_length(tokenizer, args.prompt_len, 1),
+                        "batch 16": prompts_of_length(tokenizer, args.prompt_len, 16)}
+        self.concurrent = {c: prompts_of_length(tokenizer, 64, c) for c in CONCURRENCIES}
+        self.best: dict[str, float] = {}
+        self.activate()
+        self.first = {name: min(_generate_time(llm, p, 1) for _ in range(2)) for name, p in self.batches.items()}
+
+    def activate(self) -> None:
+        """Thread pools as this engine's backend wants them (engines of two backends share the
+        process: the compiled kernels run on torch's OpenMP pool, the torch backend's matmuls on
+        OpenBLAS)."""
+        configure_cpu_threads(self.llm.engine.config.num_threads, self.llm.engine.runner.backend)
+
+    def _keep(self, line: str, value: float) -> bool:
+        if value > self.best.get(line, float("-inf")):
+            self.best[line] = value
+            return True
+        return False
+
+    def round(self) -> bool:
+        """Measure every line once; True if this round gave the best batch-1 rate so far."""
+        self.activate()
+        llm, tokens = self.llm, self.args.decode_tokens
+        self._keep("prefill", 1024 / _generate_time(llm, self.long_prompt, 1))
+        improved = False
+        for name, prompts in self.batches.items():
+            t_full = _generate_time(llm, prompts, tokens + 1)
+            kept = self._keep(name, len(prompts) * tokens / (t_full - self.first[name]))
+            improved |= kept and name == "batch 1"
+        if not self.args.skip_throughput:
+            for c, prompts in self.concurrent.items():
+                self._keep(f"{c} concurrent", c * 64 / _generate_time(llm, prompts, 64))
+        return improved
+
+
+CONCURRENCIES = (1, 8, 32)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--backends", default="default,torch",
+                        help="engines to measure side by side: 'default' (what the engine picks "
+                             "here) and/or a forced backend name (cpu, torch)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
@@ -146,53 +164,91 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     load_s = time.perf_counter() - t0
-    # No prefix caching: the repeated benchmark prompts would otherwise hit the cache.
-    llm = LLM(loaded, max_num_batched_tokens=2048, enable_prefix_caching=False)
-    print(f"torch {torch.__version__}, cpu count {os.cpu_count()}; pdserve: backend "
-          f"{llm.engine.runner.backend!r} on {torch.get_num_threads()} torch threads; "
-          f"HF: torch with {len(os.sched_getaffinity(0))} threads")
+    from kernels import cpu
+
+    engines: dict[str, EngineLines] = {}
+    for name in args.backends.split(","):
+        with forced_backend(None if name == "default" else name):
+            # No prefix caching: the repeated benchmark prompts would otherwise hit the cache.
+            llm = LLM(loaded, max_num_batched_tokens=2048, enable_prefix_caching=False)
+        engines[name] = EngineLines(llm, loaded.tokenizer, args)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs: {cpu.cpu_identity()}; kernel ISA "
+          f"{cpu.default_isa()}; HF: torch with {len(os.sched_getaffinity(0))} threads")
+    for name, lines in engines.items():
+        runner = lines.llm.engine.runner
+        print(f"engine {name!r}: backend {runner.backend!r}, {lines.llm.engine.config.num_threads or 'all'} threads")
     print(f"model load: {load_s:.2f} s  ({loaded.config.name})")
-    tok = loaded.tokenizer
 
-    long_prompt = prompts_of_length(tok, 1024, 1)
-    llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=1))  # warm up
-    t = _best_of(lambda: llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=1)), args.repeats)
-    prefill_tps = 1024 / t
+    bandwidth = (0.0, 0.0)  # (copy, read) of the round that gave the first engine's best batch-1 rate
+    for _ in range(args.repeats):
+        with torch_threads(len(os.sched_getaffinity(0))):  # the machine's bandwidth, every core
+            round_bandwidth = memcpy_bandwidth()
+        for i, lines in enumerate(engines.values()):
+            if lines.round() and i == 0:
+                bandwidth = round_bandwidth
 
-    batch1 = prompts_of_length(tok, args.prompt_len, 1)
-    batch16 = prompts_of_length(tok, args.prompt_len, 16)
-    rates, (copy_bw, read_bw) = pdserve_decode_rates(
-        llm, {"batch 1": batch1, "batch 16": batch16}, args.decode_tokens, args.repeats)
-    ours_b1, ours_b16 = rates["batch 1"], rates["batch 16"]
-    weight_bytes = llm.engine.runner.model.weight_bytes
-    rows = [("prefill tokens/s (1 x 1024)", prefill_tps, None),
-            ("decode tokens/s batch 1", ours_b1, None),
-            ("decode tokens/s batch 16", ours_b16, None)]
-
+    hf = None
+    first = next(iter(engines.values()))
     if not args.skip_hf:
         with torch_threads(len(os.sched_getaffinity(0))):
-            hf_rates = hf_baseline(args.model, long_prompt, batch1, batch16, args)
-        rows = [(name, ours, theirs) for (name, ours, _), theirs in zip(rows, hf_rates)]
+            hf = dict(zip(("prefill", "batch 1", "batch 16"),
+                          hf_baseline(args.model, first.long_prompt, first.batches["batch 1"],
+                                      first.batches["batch 16"], args)))
+    report(engines, hf, bandwidth, first.llm.engine.runner.model.weight_bytes)
 
-    print(f"\n{'metric':34s} {'pdserve':>10s} {'HF':>10s} {'ratio':>7s}")
-    for name, ours, theirs in rows:
-        ratio = f"{ours / theirs:6.2f}x" if theirs else "   n/a"
-        theirs_s = f"{theirs:10.1f}" if theirs else "       n/a"
-        print(f"{name:34s} {ours:10.1f} {theirs_s} {ratio}")
-    print(f"\nbatch-16 / batch-1 decode throughput: {ours_b16 / ours_b1:.2f}x")
+
+def report(engines: dict[str, EngineLines], hf: dict[str, float] | None,
+           bandwidth: tuple[float, float], weight_bytes: int) -> None:
+    names = list(engines)
+    labels = {"prefill": "prefill tokens/s (1 x 1024)", "batch 1": "decode tokens/s batch 1",
+              "batch 16": "decode tokens/s batch 16",
+              **{f"{c} concurrent": f"{c} concurrent, output tokens/s" for c in CONCURRENCIES}}
+    header = f"\n{'line':34s}" + "".join(f"{n:>10s}" for n in names) + (f"{'HF':>10s}" if hf else "")
+    if len(names) > 1:
+        header += f"{names[0] + '/' + names[1]:>16s}"
+    if hf:
+        header += f"{names[0] + '/HF':>12s}"
+    print(header)
+    for line, label in labels.items():
+        values = [engines[n].best.get(line) for n in names]
+        if values[0] is None:
+            continue
+        row = f"{label:34s}" + "".join(f"{v:10.1f}" for v in values)
+        theirs = hf.get(line) if hf else None
+        if hf:
+            row += f"{theirs:10.1f}" if theirs else f"{'':10s}"
+        if len(names) > 1:
+            row += f"{values[0] / values[1]:15.2f}x"
+        if theirs:
+            row += f"{values[0] / theirs:11.2f}x"
+        print(row)
+    best = engines[names[0]].best
+    copy_bw, read_bw = bandwidth
+    print(f"\n{names[0]}: batch-16 / batch-1 decode: {best['batch 16'] / best['batch 1']:.2f}x")
+    if "32 concurrent" in best:
+        print(f"{names[0]}: 32 concurrent / 1 request: {best['32 concurrent'] / best['1 concurrent']:.2f}x")
     print(f"weights read per decode step: {weight_bytes / 1e6:.1f} MB; memcpy bandwidth "
           f"{copy_bw / 1e9:.2f} GB/s (bytes copied/s), streaming read {read_bw / 1e9:.2f} GB/s "
           f"(measured in the round of the best batch-1 rate)")
     for name, bw in (("memcpy", copy_bw), ("read", read_bw)):
         bound_tps = bw / weight_bytes
         print(f"bandwidth bound at batch 1 ({name}): {bound_tps:.1f} tokens/s; "
-              f"pdserve reached {ours_b1 / bound_tps:.0%} of it")
+              f"{names[0]} reached {best['batch 1'] / bound_tps:.0%} of it")
 
-    if not args.skip_throughput:
-        print(f"\noffline throughput (64-token prompts, 64 new tokens each, best of {args.repeats})")
-        tps = throughputs(llm, tok, (1, 8, 32), 64, args.repeats)
-        for concurrency, rate in tps.items():
-            print(f"  {concurrency:3d} concurrent: {rate:8.1f} output tokens/s  ({rate / tps[1]:5.2f}x of 1)")
+
+@contextlib.contextmanager
+def forced_backend(backend: str | None):
+    """Build an engine with ``PDSERVE_ATTENTION_BACKEND`` forced to ``backend`` (None: as is)."""
+    before = os.environ.get(BACKEND_ENV)
+    if backend is not None:
+        os.environ[BACKEND_ENV] = backend
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = before
 
 
 if __name__ == "__main__":

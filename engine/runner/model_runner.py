@@ -23,7 +23,14 @@ from engine.sampling.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.verify import verify_drafts
 from kernels.block_copy import copy_blocks, copy_blocks_ref
+from kernels.calibration import ModelDims
 from kernels.ops import get_ops, select_backend
+
+
+def model_dims(config) -> ModelDims:
+    """The shapes the kernel calibration measures with (``kernels.calibration``)."""
+    return ModelDims(config.hidden_size, config.intermediate_size, config.num_heads,
+                     config.num_kv_heads, config.head_dim)
 
 
 @dataclass(slots=True)
@@ -41,8 +48,8 @@ class ModelRunner:
         self.backend = select_backend(self.device, dtype)
         if self.device.type == "cpu" and dtype == torch.float32:
             configure_cpu_threads(config.num_threads, self.backend)
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights, get_ops(self.backend),
-                                      self.device, dtype)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights,
+                                      get_ops(self.backend, model_dims(loaded.config)), self.device, dtype)
         self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = loaded.config.vocab_size
