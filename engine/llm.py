@@ -61,7 +61,8 @@ class LLM:
     """Loads a model (``None`` = the embedded default; a path; or a LoadedModel) and generates.
 
     Keyword arguments set the engine: block_size, num_kv_blocks, kv_cache_memory (bytes),
-    max_num_seqs, max_num_batched_tokens, max_model_len, device, dtype, enable_prefix_caching;
+    max_num_seqs, max_num_batched_tokens, max_model_len, device, dtype, enable_prefix_caching,
+    num_threads (CPU compute threads; 0: every CPU this process may run on);
     speculative decoding: spec_method ('ngram' | 'layer-skip' | 'draft'), spec_k, draft_model,
     spec_layers, spec_max_batch, spec_draft_cost.
     """
@@ -72,7 +73,8 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", dtype: str = "float32",
                  enable_prefix_caching: bool = True, spec_method: str | None = None,
                  spec_k: int = 4, draft_model: str | None = None, spec_layers: int | None = None,
-                 spec_max_batch: int = 16, spec_draft_cost: float | None = None) -> None:
+                 spec_max_batch: int = 16, spec_draft_cost: float | None = None,
+                 num_threads: int = 0) -> None:
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         if max_model_len is not None:
             loaded = dataclasses.replace(
@@ -89,7 +91,7 @@ class LLM:
             spec=SpecConfig(method=spec_method, k=spec_k, draft_model=draft_model,
                             num_layers=spec_layers, max_batch=spec_max_batch,
                             draft_cost=spec_draft_cost),
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, num_threads=num_threads,
         ), loaded)
         self._ids = itertools.count()
 

@@ -17,50 +17,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import grpc
 
+from loadtests import cluster as cluster_lib
 from services.common.pb import generate_pb2, generate_pb2_grpc
 
 LONG_TEXT = ("In the beginning the committee met every Tuesday to discuss the harbour, the roads, "
              "the school and the price of grain; minutes were kept by whoever arrived last. ")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_cluster(mode: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    grpc_port, http_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(grpc_port),
-            "--http-port", str(http_port), "--transfer", "grpc", *extra]
-    argv += ["--colocated"] if mode == "colocated" else ["--pin-cores"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"pdserve up ({mode}) exited with {proc.returncode}")
-        if line.startswith("ready"):
-            return proc, f"127.0.0.1:{grpc_port}"
-    proc.kill()
-    raise RuntimeError(f"pdserve up ({mode}) not ready in 300 s")
-
-
-def stop_cluster(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    flags = ["--transfer", "grpc", *extra, *(["--colocated"] if mode == "colocated" else ["--pin-cores"])]
+    cluster = cluster_lib.start_cluster(flags)
+    return cluster.proc, cluster.grpc_address
 
 
 async def one_request(stub, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
@@ -105,11 +78,7 @@ async def workload(address: str, args) -> dict:
     return {"itl": itl, "short_ttft": short_ttft, "long_ttft": long_ttft}
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+pct = cluster_lib.percentile
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             results[mode] = asyncio.run(workload(address, args))
         finally:
-            stop_cluster(proc)
+            cluster_lib.stop_cluster(proc)
     print(f"cores {len(os.sched_getaffinity(0))}, {args.streams} short streams "
           f"({args.short_tokens} tokens), a long prompt every {args.long_every_s:g} s, "
           f"{args.duration_s:g} s per mode")

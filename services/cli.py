@@ -3,7 +3,7 @@
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
     pdserve serve router|prefill|decode|kvstore [...]
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
-    pdserve bench engine|kernels|spec|kv|disagg [...]  (loadtests/bench_*.py)
+    pdserve bench engine|kernels|serve|spec|kv|disagg [...]  (loadtests/bench_*.py)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
 """
@@ -22,6 +22,7 @@ COMMANDS = {
     ("generate",): "services.router.client",
     ("bench", "engine"): "loadtests.bench_engine",
     ("bench", "kernels"): "loadtests.bench_kernels",
+    ("bench", "serve"): "loadtests.bench_serve",
     ("bench", "spec"): "loadtests.bench_spec",
     ("bench", "kv"): "loadtests.bench_kv_transfer",
     ("bench", "disagg"): "loadtests.bench_disagg",

@@ -1,0 +1,173 @@
+"""Served speed against engine speed, and the cluster under load, in one run.
+
+    python -m loadtests.bench_serve [--modes colocated,nixl,grpc] [--itl-tokens 64]
+                                    [--load-requests 32] [--load-concurrency 1,16]
+    pdserve bench serve ...
+
+1. Offline: the engine's own per-token decode time at batch 1 and 8 (``LLM.generate``, prefill
+   excluded), at the thread count the serving decode engine gets (all cores when colocated; one
+   core's share when ``pdserve up`` runs 1 prefill + 1 decode worker with ``--pin-cores``).
+2. For each mode, a fresh ``pdserve up``: streaming inter-token latency over HTTP (SSE) at
+   concurrency 1 and 8, set against (1) at the same thread count; then the load: 196-token
+   prompts, 128 new tokens, streaming, ``--load-requests`` requests at each concurrency
+   (fewer at concurrency 1, ``--load-requests-c1``): output tokens/s, TTFT and ITL, and failed
+   requests by HTTP status.
+
+Modes: ``colocated`` (router + one engine on all cores), ``nixl`` and ``grpc`` (router + 1
+prefill + 1 decode worker, each pinned to half the cores, KV over that transfer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from collections import Counter
+
+from loadtests.cluster import percentile, running_cluster, stream_completion
+
+MODES = {
+    "colocated": ["--colocated"],
+    "nixl": ["--transfer", "nixl", "--pin-cores"],
+    "grpc": ["--transfer", "grpc", "--pin-cores"],
+}
+
+
+def decode_threads(mode: str) -> int:
+    cores = len(os.sched_getaffinity(0))
+    return cores if mode == "colocated" else max(1, cores - cores // 2)
+
+
+def prompts(tokenizer, length: int, count: int, salt: int = 0) -> list[list[int]]:
+    """``count`` distinct token-id prompts of ``length`` tokens (no shared prefix block)."""
+    base = tokenizer.encode("The history of computing is a story of ideas, machines and people. " * 400)
+    starts = [(salt + i) * 13 % (len(base) - length) for i in range(count)]
+    return [base[start:start + length] for start in starts]
+
+
+def offline_ms_per_token(loaded, num_threads: int, batches: tuple[int, ...], tokens: int) -> dict[int, float]:
+    """Per-token decode time (ms, prefill excluded) of the offline engine at each batch size."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(loaded, num_threads=num_threads, enable_prefix_caching=False)
+    result = {}
+    for batch in batches:
+        batch_prompts = prompts(loaded.tokenizer, 24, batch, salt=batch)
+
+        def run(n: int) -> float:
+            t0 = time.perf_counter()
+            llm.generate(batch_prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            return time.perf_counter() - t0
+        run(2)
+        first, full = min(run(1) for _ in range(2)), min(run(tokens + 1) for _ in range(2))
+        result[batch] = (full - first) / tokens * 1e3
+    return result
+
+
+async def itl(base_url: str, model: str, concurrency: int, tokens: int, tokenizer) -> list[float]:
+    """Gaps (s) between streamed chunks of ``concurrency`` concurrent requests, twice over."""
+    import aiohttp
+
+    gaps: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        await stream_completion(session, base_url, model, "Warm up.", 4)
+        for round_index in range(2):
+            batch = prompts(tokenizer, 24, concurrency, salt=100 * round_index + concurrency)
+            results = await asyncio.gather(*(stream_completion(session, base_url, model, p, tokens) for p in batch))
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"{len(failed)} ITL requests failed: {failed[0].status} {failed[0].error}")
+            # the first gaps overlap the other requests' prefills: keep the steady state
+            gaps += [g for r in results for g in r.gaps[4:]]
+    return gaps
+
+
+async def load(base_url: str, model: str, concurrency: int, num_requests: int, tokenizer, args) -> dict:
+    """``num_requests`` streamed requests, at most ``concurrency`` in flight."""
+    import aiohttp
+
+    batch = prompts(tokenizer, args.load_prompt_len, num_requests, salt=1000 + concurrency)
+    semaphore = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        async def one(prompt):
+            async with semaphore:
+                return await stream_completion(session, base_url, model, prompt, args.load_max_tokens)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in batch))
+        elapsed = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    return {"elapsed": elapsed, "ok": len(ok),
+            "failed": Counter(r.status for r in results if not r.ok),
+            "errors": [r.error for r in results if not r.ok][:3],
+            "tokens": sum(r.completion_tokens for r in ok),
+            "ttft": [r.ttft for r in ok], "itl": [g for r in ok for g in r.gaps]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", default="colocated,nixl,grpc")
+    parser.add_argument("--itl-tokens", type=int, default=64)
+    parser.add_argument("--load-requests", type=int, default=32)
+    parser.add_argument("--load-requests-c1", type=int, default=4)
+    parser.add_argument("--load-concurrency", default="1,16")
+    parser.add_argument("--load-prompt-len", type=int, default=196)
+    parser.add_argument("--load-max-tokens", type=int, default=128)
+    parser.add_argument("--skip-load", action="store_true")
+    parser.add_argument("--up-args", default="", help="extra flags for every pdserve up")
+    args = parser.parse_args(argv)
+    from engine.models.loader import load_model
+    from kernels.cpu import cpu_identity
+
+    modes = args.modes.split(",")
+    loaded = load_model(None)
+    offline = {t: offline_ms_per_token(loaded, t, (1, 8), args.itl_tokens)
+               for t in sorted({decode_threads(m) for m in modes})}
+    served: dict[str, dict] = {}
+    for mode in modes:
+        with running_cluster([*MODES[mode], *args.up_args.split()]) as cluster:
+            row = {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer)) for c in (1, 8)}
+            if not args.skip_load:
+                for c in map(int, args.load_concurrency.split(",")):
+                    n = args.load_requests_c1 if c == 1 else args.load_requests
+                    row[f"load {c}"] = asyncio.run(load(cluster.http_url, cluster.model, c, n, loaded.tokenizer, args))
+            served[mode] = row
+
+    print(f"{len(os.sched_getaffinity(0))} CPUs: {cpu_identity()}")
+    print(f"\nstreaming ITL through pdserve up vs the offline engine's per-token time (same threads)")
+    print(f"{'mode':10s}{'threads':>8s}{'batch':>6s}{'offline ms':>11s}{'ITL p50 ms':>11s}"
+          f"{'ITL mean':>9s}{'p50/offline':>12s}")
+    for mode in modes:
+        threads = decode_threads(mode)
+        for c in (1, 8):
+            gaps_ms = [g * 1e3 for g in served[mode][c]]
+            base = offline[threads][c]
+            p50 = percentile(gaps_ms, 0.5)
+            print(f"{mode:10s}{threads:8d}{c:6d}{base:11.1f}{p50:11.1f}{statistics.fmean(gaps_ms):9.1f}"
+                  f"{p50 / base:11.2f}x")
+    if args.skip_load:
+        return
+    print(f"\nload: {args.load_prompt_len}-token prompts, {args.load_max_tokens} new tokens, streaming")
+    print(f"{'mode':10s}{'conc':>5s}{'reqs':>5s}{'failed':>16s}{'out tok/s':>10s}{'TTFT p50 s':>11s}"
+          f"{'TTFT p99 s':>11s}{'ITL p50 ms':>11s}")
+    colocated_rate = {}
+    for mode in modes:
+        for key, r in served[mode].items():
+            if not str(key).startswith("load"):
+                continue
+            c = int(key.split()[1])
+            rate = r["tokens"] / r["elapsed"]
+            if mode == "colocated":
+                colocated_rate[c] = rate
+            failed = ",".join(f"{n}x{s or 'conn'}" for s, n in r["failed"].items()) or "0"
+            ratio = f"  ({rate / colocated_rate[c]:.2f}x colocated)" if mode != "colocated" and colocated_rate.get(c) else ""
+            print(f"{mode:10s}{c:5d}{r['ok'] + sum(r['failed'].values()):5d}{failed:>16s}{rate:10.1f}"
+                  f"{percentile(r['ttft'], .5):11.2f}{percentile(r['ttft'], .99):11.2f}"
+                  f"{percentile(r['itl'], .5) * 1e3:11.1f}{ratio}")
+            for error in r["errors"]:
+                print(f"    failure: {error}")
+
+
+if __name__ == "__main__":
+    main()
