@@ -57,7 +57,11 @@ class _NixlAgent:
         self.model_name = model_name
         self.name = agent_name or f"pdserve-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            # No progress thread: NIXL's polls UCX with no delay between polls, a core per idle
+            # agent. Progress is made by the calls that wait on it instead (check_xfer_state on
+            # the sender's thread, get_new_notifs on the receiver's loop), only while needed.
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self.agent = api.nixl_agent(self.name, config)
         except Exception as exc:
             raise KVTransferError(f"could not create NIXL agent {self.name!r} with the UCX "
                                   f"backend: {type(exc).__name__}: {exc}") from exc
