@@ -1,13 +1,19 @@
 """DecodeService: reserve blocks for a prompt's KV, wait for it to land, stream the rest.
 
-    ReserveBlocks  core.reserve_remote -> block ids + lease (RESOURCE_EXHAUSTED when full)
-    Decode         claim the reservation, wait (bounded) until every block landed, then
-                   finish_remote_kv(first token) and stream tokens until the request finishes
-    ReleaseBlocks  give a reservation back (prefill failed or was cancelled)
+    ReserveBlocks     core.reserve_remote -> block ids + lease (RESOURCE_EXHAUSTED when full)
+    RenewReservation  the prefill job is still at work: hold the blocks one lease longer
+    Decode            claim the reservation, wait (until its lease runs out) for every block
+                      to land, then finish_remote_kv(first token) and stream tokens until the
+                      request finishes
+    ReleaseBlocks     give a reservation back (prefill failed or was cancelled)
 
 Who frees a reservation's blocks: the engine, once the Decode call handed the request over
 (a client cancel aborts it); before that ReleaseBlocks, the lease, or — for a Decode call that
-ended while KV was still arriving — the end of the writes (see reservations.py).
+ended while KV was still arriving — the end of the writes (see reservations.py). A
+ReserveBlocks call whose caller gives up while the engine reserves still gets its blocks
+freed: the reservation is undone once the engine made it.
+Decode writes with ``context.write`` from a coroutine (not an async generator), so a cancel
+runs its ``finally`` at once rather than when the generator is garbage collected.
 Landing is detected here, on the event loop, by draining every receiver's notifications
 (NIXL and gRPC) every 2 ms while some reservation still waits for KV.
 """
@@ -48,6 +54,9 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             raise ValueError(f"DecodeWorker needs an engine in the decode role, got {runtime.role}")
         self.runtime = runtime
         self.engine = runtime.engine
+        if runtime.args.reservation_lease_ms <= 0:
+            raise ValueError(f"--reservation-lease-ms must be positive, got "
+                             f"{runtime.args.reservation_lease_ms}")
         self.lease_s = runtime.args.reservation_lease_ms / 1000
         self.reservations = ReservationTable(self.lease_s)
         self.receivers = ()
@@ -85,7 +94,13 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             # reserve_remote validates but keeps the caller's params: tokenize bad words here.
             params = params_from_proto(request.sampling_params).with_bad_words_tokenized(
                 core.tokenizer.encode)
-            block_ids = await self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params))
+            reserving = asyncio.ensure_future(
+                self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
+            try:
+                block_ids = await asyncio.shield(reserving)
+            except asyncio.CancelledError:  # the caller gave up (deadline, cancel): undo
+                self._spawn(self._undo_reserve(reserving, reservation_id))
+                raise
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ReserveBlocks: {exc}")
         except EngineDead as exc:
@@ -112,7 +127,20 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await asyncio.shield(self._free(reservation))
         return worker_pb2.ReleaseBlocksResponse(num_blocks_freed=len(reservation.block_ids))
 
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+    async def RenewReservation(self, request: worker_pb2.RenewReservationRequest,
+                               context: grpc.aio.ServicerContext) -> worker_pb2.RenewReservationResponse:
+        if not request.reservation_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "RenewReservation: reservation_id is empty")
+        if self.reservations.renew(request.reservation_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"RenewReservation: no live reservation {request.reservation_id!r} "
+                                f"on {self.runtime.worker_id} (never made, lease of "
+                                f"{self.lease_s:g} s ran out, released, or its KV already "
+                                "landed and decoding started)")
+        return worker_pb2.RenewReservationResponse(lease_ms=int(self.lease_s * 1000))
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
         try:
             reservation = self.reservations.claim(request.reservation_id)
         except KeyError:
@@ -149,7 +177,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                     finish_reason=finish_to_proto(output.finish_reason))
                 if isinstance(output.stop_reason, int):
                     response.stop_token_id = output.stop_reason
-                yield response
+                await context.write(response)
         except EngineDead as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
@@ -173,8 +201,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         return token_ids[-1]
 
     async def _wait_landed(self, reservation: Reservation, context: grpc.aio.ServicerContext) -> None:
-        """Until every reserved block has landed; aborts the RPC on release or after the lease."""
-        deadline = time.monotonic() + self.lease_s
+        """Until every reserved block has landed; aborts the RPC on release or when the lease
+        (renewed by the prefill worker while it works) runs out."""
         while True:
             reservation.changed.clear()
             if reservation.state is LeaseState.RELEASED:
@@ -183,12 +211,13 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                                     "released (the prefill side failed or was cancelled)")
             if reservation.is_landed:
                 return
-            remaining = deadline - time.monotonic()
+            remaining = reservation.expires_at - time.monotonic()
             if remaining <= 0:
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"Decode: KV of {reservation.reservation_id!r} did not land within "
-                    f"{self.lease_s:g} s ({len(reservation.landed_block_ids)} of "
+                    f"Decode: KV of {reservation.reservation_id!r} did not land before its lease "
+                    f"ran out ({self.lease_s:g} s after the claim or the prefill worker's last "
+                    f"renewal; {len(reservation.landed_block_ids)} of "
                     f"{len(reservation.block_ids)} blocks)")
             try:
                 await asyncio.wait_for(reservation.changed.wait(), remaining)
@@ -217,6 +246,17 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await self._abort(reservation.reservation_id)
         finally:
             self.reservations.pop(reservation.reservation_id)
+
+    async def _undo_reserve(self, reserving: asyncio.Future, request_id: str) -> None:
+        """A ReserveBlocks caller left while the engine reserved: free what it reserved."""
+        try:
+            block_ids = await reserving
+        except (ValueError, EngineDead):
+            return
+        if block_ids is not None:
+            log.info("reservation %s: its ReserveBlocks call was cancelled; freeing %d blocks",
+                     request_id, len(block_ids))
+            await self._abort(request_id)
 
     async def _abort(self, request_id: str) -> None:
         try:

@@ -2,18 +2,25 @@
 
 Life of a reservation (its id is the engine request id)::
 
+                 RenewReservation (while LEASED, CLAIMED or ABANDONED: expires_at moves on)
     ReserveBlocks ──▶ LEASED ──(Decode RPC)──▶ CLAIMED ──(all blocks landed)──▶ decoding
                         │                       │   (the Decode call ends early,
                         │                       ▼    KV still arriving)
                         │                    ABANDONED ──(all blocks landed)──┐
-                        └──(lease runs out, or ReleaseBlocks)─────────────────┴──▶ released
+                        └──(lease runs out, or ReleaseBlocks)─────────────────┴──▶ RELEASED
 
+* The lease: every live reservation has ``expires_at``. ReserveBlocks sets it to now +
+  ``lease_s``; RenewReservation and the Decode claim move it to now + ``lease_s`` (never
+  back). The prefill worker renews every ``lease_s / 3`` while its job runs — queued behind
+  other prompts, computing, or pushing — so a slow prefill keeps its blocks, while a crashed
+  prefill worker or router stops renewing and loses them: a LEASED or ABANDONED reservation
+  past ``expires_at`` is released, and a CLAIMED one's Decode call gives up at it.
+* No write lands after a release by the lease: the prefill worker writes only until
+  ``LEASE_SAFETY * lease_s`` after it *sent* the last ReserveBlocks / RenewReservation that
+  was acknowledged, and that call *arrived* here before ``expires_at - lease_s``.
 * Landing is counted per block id: each KV notification (one per sender ``send_blocks`` call,
   NIXL or gRPC) names destination blocks; the reservation is complete when every reserved
   block has landed. Notifications for unknown or released reservations are ignored.
-* A LEASED reservation that is not claimed within ``lease_s`` is released, so a crashed
-  prefill worker or router cannot leak blocks. Prefill workers stop writing before
-  ``lease_s`` runs out (they get it in the reply), so no one-sided write lands after a release.
 * A Decode call that ends before the KV landed (client cancel) cannot free the blocks at
   once: a NIXL write may still be on its way. The reservation is ABANDONED and released when
   the prefill worker says it stopped writing (ReleaseBlocks, sent after its pushes settled),
@@ -49,7 +56,7 @@ class Reservation:
     prompt_token_ids: list[int]
     params: SamplingParams
     block_ids: list[int]
-    expires_at: float  # time.monotonic(); only LEASED reservations expire
+    expires_at: float  # time.monotonic(); moved on by renew() and claim()
     state: LeaseState = LeaseState.LEASED
     landed_block_ids: set[int] = field(default_factory=set)
     num_active_pushes: int = 0
@@ -86,13 +93,28 @@ class ReservationTable:
     def get(self, reservation_id: str) -> Reservation | None:
         return self._reservations.get(reservation_id)
 
-    def claim(self, reservation_id: str) -> Reservation:
-        """LEASED -> CLAIMED (stops the lease). KeyError if unknown, released or claimed."""
+    def claim(self, reservation_id: str, now: float | None = None) -> Reservation:
+        """LEASED -> CLAIMED, with a fresh lease: its Decode call waits for the KV until
+        ``expires_at`` (renewals move it on). KeyError if unknown, released or claimed."""
         reservation = self._reservations.get(reservation_id)
         if reservation is None or reservation.state is not LeaseState.LEASED:
             raise KeyError(reservation_id)
         reservation.state = LeaseState.CLAIMED
+        self._extend(reservation, now)
         return reservation
+
+    def renew(self, reservation_id: str, now: float | None = None) -> Reservation | None:
+        """Hold a live reservation for ``lease_s`` more from ``now``; None if it is unknown
+        (never made, or already handed over to decoding) or released."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.state is LeaseState.RELEASED:
+            return None
+        self._extend(reservation, now)  # a Decode call waiting for its KV re-reads it
+        return reservation
+
+    def _extend(self, reservation: Reservation, now: float | None) -> None:
+        now = time.monotonic() if now is None else now
+        reservation.expires_at = max(reservation.expires_at, now + self.lease_s)
 
     def on_landed(self, note: KVNotification) -> Reservation | None:
         """Count a notification's blocks; returns the reservation if it is now complete."""

@@ -25,7 +25,8 @@ def test_services_and_streaming_shapes():
     assert _methods(generate_pb2, "GenerateService") == {"Generate": (False, True)}
     assert _methods(worker_pb2, "PrefillService") == {"Prefill": (False, True)}
     assert _methods(worker_pb2, "DecodeService") == {
-        "Decode": (False, True), "ReserveBlocks": (False, False), "ReleaseBlocks": (False, False)}
+        "Decode": (False, True), "ReserveBlocks": (False, False), "ReleaseBlocks": (False, False),
+        "RenewReservation": (False, False)}
     assert _methods(worker_pb2, "WorkerService") == {"GetStats": (False, False)}
     assert _methods(kv_pb2, "KVTransferService") == {
         "Handshake": (False, False), "PushBlocks": (True, False)}
