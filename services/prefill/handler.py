@@ -7,21 +7,30 @@ One call, as the router sees it (a server stream)::
     first_token   as soon as it is sampled: the router streams it at once (TTFT)
     transfer      ... the last one has done = true; the call then ends OK
 
-Steps: ReserveBlocks on the target (deadline; RESOURCE_EXHAUSTED passes through) -> add the
-request (PREFILL role: it stops after its first token and its blocks are *held*) -> after
-every engine step push the blocks that became final -> first token -> push the partial last
-block -> wait for every push -> release the held blocks (they stay in the prefix cache).
+Steps: ReserveBlocks on the target (deadline; RESOURCE_EXHAUSTED passes through) -> renew its
+lease every lease / 3 from now until the call ends (lease.py: a slow prefill is not a
+failure) -> add the request (PREFILL role: it stops after its first token and its blocks are
+*held*) -> after every engine step push the blocks that became final -> first token -> push
+the partial last block -> wait for every push -> release the held blocks (they stay in the
+prefix cache).
 
-Failure (client cancel, push failed, lease about to run out, engine error): the request is
-aborted or its held blocks released, in-flight pushes are waited for (bounded), then the
-decode worker is told to ReleaseBlocks — in that order, so no write lands in released blocks.
-Errors that concern the decode worker carry trailing metadata ``pdserve-failed-peer: decode``
-so the router can pick another one.
+Failure (client cancel, push failed, reservation lost or not renewable in time, engine
+error): in-flight pushes are waited for (bounded) while the lease is still renewed, the
+request is aborted or its held blocks released, then renewal stops and the decode worker is
+told to ReleaseBlocks — in that order, so no write lands in released blocks. Every block the
+call holds is freed on both workers, whatever the request's state in the engine (queued,
+running, preempted, held, or still being added when the call was cancelled). Errors that
+concern the decode worker carry trailing metadata ``pdserve-failed-peer: decode`` so the
+router can pick another one.
+
+Prefill writes with ``context.write`` from a coroutine (not an async generator), so a cancel
+runs its cleanup at once rather than when the generator is garbage collected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -34,6 +43,7 @@ from engine.sampling_params import SamplingParams
 from services.common.async_engine import EngineDead
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.prefill.decode_peers import DecodePeer, DecodePeers
+from services.prefill.lease import LeaseKeeper, LeaseLost
 from services.prefill.transfer import RequestTransfer, TransferFailed
 from services.worker.convert import finish_to_proto, logprobs_list_to_proto, logprobs_to_proto, params_from_proto
 from services.worker.kv import METHOD_NAMES, KVPusher, sender_factories, transfer_methods
@@ -45,7 +55,6 @@ FAILED_PEER_KEY = "pdserve-failed-peer"
 RESERVE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 2.0
 SETTLE_TIMEOUT_S = 10.0
-LEASE_SAFETY = 0.8  # stop pushing after this fraction of the decode lease
 
 
 class PrefillAbort(Exception):
@@ -80,12 +89,14 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
             await pusher.close()
         await self.peers.close()
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> None:
         job = None
         try:
             job = _PrefillJob(self, request)
-            async for response in job.run():
-                yield response
+            async with contextlib.aclosing(job.run()) as responses:
+                async for response in responses:
+                    await context.write(response)
         except PrefillAbort as exc:
             if exc.peer:
                 context.set_trailing_metadata(((FAILED_PEER_KEY, exc.peer),))
@@ -123,8 +134,12 @@ class _PrefillJob:
                                f"--transfer {worker.runtime.args.transfer})")
         self.peer: DecodePeer | None = None
         self.reservation: worker_pb2.BlockReservation | None = None
+        self.lease: LeaseKeeper | None = None
         self.transfer: RequestTransfer | None = None
-        self.subscribed = self.added = self.handed_off = False
+        # add_request as queued on the engine thread: it is applied even if this call is
+        # cancelled while waiting for it, so cleanup waits for it before dropping the request.
+        self.adding: asyncio.Future | None = None
+        self.subscribed = self.handed_off = False
 
     async def run(self):
         started = time.monotonic()
@@ -137,11 +152,12 @@ class _PrefillJob:
         except ValueError as exc:
             raise PrefillAbort(grpc.StatusCode.ALREADY_EXISTS, f"Prefill: {exc}") from exc
         self.subscribed = True
+        self.adding = asyncio.ensure_future(self.engine.call(
+            lambda core: core.add_request(self.request_id, self.prompt, self.params)))
         try:
-            await self.engine.call(lambda core: core.add_request(self.request_id, self.prompt, self.params))
+            await asyncio.shield(self.adding)
         except ValueError as exc:
             raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
-        self.added = True
         ends_request = False
         while True:
             output = await self._next_output(queue)
@@ -192,6 +208,7 @@ class _PrefillJob:
         pusher = worker.pushers[self.method]
         try:
             remote = await self.peer.remote(self.method, pusher)
+            sent_at = time.monotonic()
             reply = await self.peer.decode.ReserveBlocks(worker_pb2.ReserveBlocksRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt,
                 sampling_params=self.proto_params, num_lookahead_tokens=1), timeout=RESERVE_TIMEOUT_S)
@@ -200,25 +217,35 @@ class _PrefillJob:
         except grpc.aio.AioRpcError as exc:
             raise PrefillAbort(exc.code(), f"decode worker {self.target.address}: {exc.details()}",
                                "decode") from exc
-        self.reservation = reply.reservation
-        deadline = time.monotonic() + LEASE_SAFETY * reply.reservation.lease_ms / 1000
+        self.reservation = reservation = reply.reservation
+        if reservation.lease_ms == 0:
+            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"decode worker {self.target.address} granted reservation "
+                               f"{reservation.reservation_id!r} a lease of 0 ms", "decode")
+        self.lease = LeaseKeeper(self.peer.decode, reservation.reservation_id,
+                                 reservation.lease_ms / 1000, sent_at, self.target.address)
+        self.lease.start()
         try:
             self.transfer = RequestTransfer(pusher, remote, self.request_id,
-                                            list(reply.reservation.block_ids),
+                                            list(reservation.block_ids),
                                             worker.runtime.core.config.cache.block_size,
-                                            len(self.prompt), deadline)
+                                            len(self.prompt), self.lease)
         except TransferFailed as exc:
             raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
-        return reply.reservation
+        return reservation
 
     async def _next_output(self, queue: asyncio.Queue):
-        timeout = None if self.transfer is None else self.transfer.deadline - time.monotonic()
+        """The request's next engine output; while a reservation waits for its KV, only as
+        long as the reservation's lease (renewed meanwhile) allows."""
         try:
-            return await asyncio.wait_for(self.engine.next_output(queue), timeout)
-        except asyncio.TimeoutError:
-            raise PrefillAbort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "Prefill: the prompt was not computed before the decode "
-                               "reservation's lease runs out (prefill worker overloaded?)") from None
+            if self.lease is None:
+                return await self.engine.next_output(queue)
+            return await self.lease.hold_while(self.engine.next_output(queue))
+        except LeaseLost as exc:
+            if exc.expired:
+                raise PrefillAbort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Prefill: {exc}",
+                                   "decode") from exc
+            self._fail_transfer(exc)
         except EngineDead as exc:
             raise PrefillAbort(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
 
@@ -269,16 +296,18 @@ class _PrefillJob:
 
     async def cleanup(self) -> None:
         """Free everything this call still holds, in a safe order (see the module docstring)."""
-        if self.subscribed:
-            self.engine.unsubscribe(self.request_id)
         if self.transfer is not None:
             await self.transfer.settle(SETTLE_TIMEOUT_S)
-        if self.added:
+        if self.adding is not None and await self._was_added():
             request_id = self.request_id
             try:
                 await self.engine.call(lambda core: _drop(core, request_id))
             except EngineDead:
                 pass
+        if self.subscribed:  # after the drop: until then no other call may use this id
+            self.engine.unsubscribe(self.request_id)
+        if self.lease is not None:
+            await self.lease.stop()
         if self.reservation is not None and not self.handed_off:
             try:
                 await self.peer.decode.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(
@@ -286,6 +315,15 @@ class _PrefillJob:
             except grpc.aio.AioRpcError as exc:  # its lease frees them if it is alive
                 log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
                             self.target.address, exc.details())
+
+
+    async def _was_added(self) -> bool:
+        """Wait (one engine step at most) until add_request was applied; did it succeed?"""
+        try:
+            await self.adding
+        except (ValueError, EngineDead):
+            return False
+        return True
 
 
 def _drop(core: EngineCore, request_id: str) -> None:

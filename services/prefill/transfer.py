@@ -7,7 +7,8 @@ Prompt block ``i`` of the prefill worker goes to reserved block ``i`` of the dec
 
 A full block is final once computed (nothing writes it again); the partial last block is final
 when the whole prompt is computed. Each ``push`` sends the blocks that became final since the
-previous one, in one ``send_blocks`` call, while later chunks still compute.
+previous one, in one ``send_blocks`` call, while later chunks still compute. Writes start only
+while the reservation's lease allows (``lease.check()``; lease.py renews it).
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from engine.kv_transfer.base import RemoteInfo, TransferHandle, TransferState
 from services.worker.kv import KVPusher
+
+if TYPE_CHECKING:
+    from services.prefill.lease import LeaseKeeper
 
 
 class TransferFailed(RuntimeError):
@@ -27,7 +32,7 @@ class TransferFailed(RuntimeError):
 class RequestTransfer:
     def __init__(self, pusher: KVPusher, remote: RemoteInfo, request_id: str,
                  dst_block_ids: Sequence[int], block_size: int, num_prompt_tokens: int,
-                 deadline: float) -> None:
+                 lease: LeaseKeeper) -> None:
         num_prompt_blocks = -(-num_prompt_tokens // block_size)
         if len(dst_block_ids) != num_prompt_blocks:
             raise TransferFailed(f"the decode worker reserved {len(dst_block_ids)} blocks for a "
@@ -39,7 +44,7 @@ class RequestTransfer:
         self.dst_block_ids = list(dst_block_ids)
         self.block_size = block_size
         self.num_prompt_tokens = num_prompt_tokens
-        self.deadline = deadline  # time.monotonic(): every push must be confirmed by then
+        self.lease = lease
         self.num_blocks_queued = 0
         self.num_blocks_sent = 0  # confirmed by the transport
         self._in_flight: list[asyncio.Future[TransferHandle]] = []
@@ -47,6 +52,11 @@ class RequestTransfer:
     @property
     def num_blocks_total(self) -> int:
         return len(self.dst_block_ids)
+
+    @property
+    def deadline(self) -> float:
+        """time.monotonic() by which every push must be confirmed (renewals move it on)."""
+        return self.lease.deadline
 
     @property
     def is_done(self) -> bool:
@@ -59,12 +69,12 @@ class RequestTransfer:
 
     async def push(self, src_block_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Send the blocks that are final at ``num_computed_tokens``; ``src_block_ids`` is the
-        request's block table on this worker (it must cover them)."""
-        if time.monotonic() > self.deadline:
-            raise TransferFailed(self._late_message())
+        request's block table on this worker (it must cover them). Raises LeaseLost when
+        the reservation may no longer be written."""
         end = min(self.num_final_blocks(num_computed_tokens), len(src_block_ids))
         if end <= self.num_blocks_queued:
             return
+        self.lease.check()
         start, self.num_blocks_queued = self.num_blocks_queued, end
         self._in_flight.append(await self.pusher.send(
             self.request_id, src_block_ids[start:end], self.remote, self.dst_block_ids[start:end]))
