@@ -15,6 +15,8 @@ restrict it (tests pin ``UCX_NET_DEVICES=lo``).
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import uuid
@@ -142,16 +144,23 @@ class NixlKVSender(KVSender):
                         remote.handshake)
         handle = TransferHandle(request_id=request_id, num_blocks=len(src_block_ids))
         agent = self._agent.agent
-        xfer = agent.make_prepped_xfer(
-            "WRITE", self._local_dlist, list(src_block_ids),
-            self._remote_dlists[remote.peer_name], list(dst_block_ids),
-            encode_notification(request_id, dst_block_ids))
-        state = agent.transfer(xfer)
-        if state == "ERR":
-            xfer.release()
-            handle.state, handle.error = TransferState.FAILED, "NIXL refused to post the WRITE"
-        else:
+        xfer = None
+        try:
+            xfer = agent.make_prepped_xfer(
+                "WRITE", self._local_dlist, list(src_block_ids),
+                self._remote_dlists[remote.peer_name], list(dst_block_ids),
+                encode_notification(request_id, dst_block_ids))
+            state = agent.transfer(xfer)
+        except Exception as exc:  # nixlRemoteDisconnectError and kin: the peer is gone
+            state = f"{type(exc).__name__}: {exc}"
+        if state == "PROC" or state == "DONE":
             self._xfers[handle.transfer_id] = xfer
+        else:
+            if xfer is not None:
+                with contextlib.suppress(Exception):  # a handle to a dead peer may refuse
+                    xfer.release()
+            handle.state = TransferState.FAILED
+            handle.error = f"NIXL refused to post the WRITE to {remote.peer_name!r} ({state})"
         return handle
 
     def poll(self, handle: TransferHandle) -> TransferState:
