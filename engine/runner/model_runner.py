@@ -30,7 +30,7 @@ from kernels.ops import get_ops, select_backend
 def model_dims(config) -> ModelDims:
     """The shapes the kernel calibration measures with (``kernels.calibration``)."""
     return ModelDims(config.hidden_size, config.intermediate_size, config.num_heads,
-                     config.num_kv_heads, config.head_dim)
+                     config.num_kv_heads, config.head_dim, config.num_layers)
 
 
 @dataclass(slots=True)

@@ -3,9 +3,9 @@
     packed = pack_weight(w_t)      # w_t: [in, out], the transposed Linear weight
     y = linear(x, packed)          # x: [M, in] -> [M, out]
 
-Packing lays the weight out in column panels [ceil(out / 16), in, 16] so every call streams
-each weight byte once, whatever M; decode (M = 1) and speculative verification (M = 2..8)
-therefore cost the same weight traffic. Bad arguments raise ValueError naming them.
+Packing lays the weight out in column panels [ceil(out / lanes), in, lanes] (``LANES``: the
+ISA's vector width) so every call streams each weight byte once, whatever M; decode (M = 1) and
+speculative verification (M = 2..8) therefore cost the same weight traffic. Bad arguments raise ValueError naming them.
 Importing this module builds the library once per machine and raises
 ``kernels.cpu.CpuKernelsUnavailable`` if it cannot.
 """

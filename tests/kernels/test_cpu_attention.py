@@ -20,6 +20,7 @@ except CpuKernelsUnavailable as exc:  # no C++ compiler here: the engine falls b
 
 from kernels.cpu import attention  # noqa: E402
 from kernels.cpu.attention import paged_attention  # noqa: E402
+from kernels.cpu.linear import LANES  # noqa: E402  (the vector width of this ISA's build)
 
 GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): group 1, 3 (SmolLM2) and 8
 DECODE_RAGGED = ([1, 300, 16, 33, 129, 17], [1] * 6)
@@ -157,8 +158,8 @@ BAD_ARGUMENTS = {
     "query float64": (_bad(0, lambda a: a[0].double()), "query must be float32"),
     "key_cache bfloat16": (_bad(1, lambda a: a[1].bfloat16()), "key_cache must be float32"),
     "value_cache shape": (_bad(2, lambda a: a[2][:, :8]), "value_cache must have the shape of key_cache"),
-    "head_dim 24": (lambda a: (a[0][..., :24],) + (a[1][..., :24], a[2][..., :24]) + a[3:],
-                    "head_dim must be a multiple of 16"),
+    "head_dim 18": (lambda a: (a[0][..., :18],) + (a[1][..., :18], a[2][..., :18]) + a[3:],
+                    f"head_dim must be a multiple of {LANES}"),
     "heads vs kv heads": (_bad(0, lambda a: a[0][:, :5]), r"num_heads \(5\) must be a multiple"),
     "block_tables float": (_bad(3, lambda a: a[3].float()), "block_tables must be int32 or int64"),
     "seq_lens length": (_bad(4, lambda a: a[4][:2]), "seq_lens must have one entry per block_tables row"),

@@ -33,31 +33,39 @@ namespace pdserve {
 namespace {
 
 constexpr int kRowsPerItem = 8;        // query rows (tokens) per work item
-constexpr int kMaxHeadVectors = 16;    // head_dim up to 256
+constexpr int kMaxHeadVectors = 256 / kLanes;  // head_dim up to 256
 constexpr int64_t kSerialCost = 8192;  // below this many (query head x key) dot products: one thread
 constexpr int64_t kItemsPerThread = 8;  // fewer items than this per thread: split their keys
 constexpr int64_t kMinSplitKeys = 256;  // ... into parts of at least this many keys
 
 // Lane permutations for transpose_sum (GCC __builtin_shuffle: index >= kLanes picks from the
-// second operand). Fold at width w: within each 2w-lane group, the first w lanes come from a, the next w from b
-constexpr vint kFoldLo[4] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-constexpr vint kFoldHi[4] = {kFoldLo[0] + 8, kFoldLo[1] + 4, kFoldLo[2] + 2, kFoldLo[3] + 1};
-// after the four folds, lane j holds the sum of input bit_reversed(j)
-constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+// second operand). Fold at width w = kLanes >> (level + 1): within each 2w-lane group, the
+// first w lanes come from a, the next w from b; "hi" takes the other half of each pair.
+template <std::size_t... L>
+constexpr std::array<vint, sizeof...(L)> make_folds(std::index_sequence<L...>) {
+  return {lanes_of([](int i) {
+    const int w = kLanes >> (L + 1), group = i / (2 * w) * 2 * w, pos = i % (2 * w);
+    return pos < w ? group + pos : kLanes + group + pos - w;
+  })...};
+}
+constexpr std::array<vint, kLog2Lanes> kFoldLo = make_folds(std::make_index_sequence<kLog2Lanes>{});
 
-// sixteen vectors -> one: lane j = the lane sum of rows[kBitReversed[j]] (15 adds, 30 shuffles
-// instead of sixteen separate vsums)
+constexpr int bit_reversed(int j) {
+  int r = 0;
+  for (int b = 0; b < kLog2Lanes; ++b) r |= ((j >> b) & 1) << (kLog2Lanes - 1 - b);
+  return r;
+}
+
+// kLanes vectors -> one: lane j = the lane sum of rows[bit_reversed(j)] (kLanes - 1 adds,
+// twice as many shuffles, instead of kLanes separate vsums)
 inline vfloat transpose_sum(vfloat* rows) {
   int count = kLanes;
-  for (int level = 0; level < 4; ++level) {
+  for (int level = 0; level < kLog2Lanes; ++level) {
     count /= 2;
+    const vint lo = kFoldLo[level], hi = lo + (kLanes >> (level + 1));
     for (int r = 0; r < count; ++r) {
       const vfloat a = rows[2 * r], b = rows[2 * r + 1];
-      rows[r] = __builtin_shuffle(a, b, kFoldLo[level]) + __builtin_shuffle(a, b, kFoldHi[level]);
+      rows[r] = __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
     }
   }
   return rows[0];
@@ -164,7 +172,7 @@ inline vfloat tile_scores(const float* q, const float* k_rows, int64_t k_stride,
     vfloat dot{};
     if (j < visible)
       for (int c = 0; c < (NV ? NV : nv); ++c) dot += vload(q + c * kLanes) * vload(k_rows + j * k_stride + c * kLanes);
-    dots[kBitReversed[j]] = dot;
+    dots[bit_reversed(j)] = dot;
   }
   const vfloat scores = transpose_sum(dots);
   return kIota < static_cast<int>(visible) ? scores : vsplat(-INFINITY);
@@ -393,9 +401,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_fn(L, items[i], scratch, partials);
     });
   };
-  switch (head_dim / kLanes) {
-    case 4: run(attend<4>); break;
-    case 8: run(attend<8>); break;
+  switch (head_dim) {
+    case 64: run(attend<64 / kLanes>); break;
+    case 128: run(attend<128 / kLanes>); break;
     default: run(attend<0>); break;
   }
   for (size_t k = 0; k < split_firsts.size(); ++k) merge_splits(L, split_firsts[k], split_counts[k], partials);

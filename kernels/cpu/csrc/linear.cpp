@@ -2,14 +2,15 @@
 //
 // Packed layout: W [K, N] (the transposed Linear weight) becomes panels [P, K, kLanes] with
 // P = ceil(N / kLanes): panel p holds columns p*kLanes .. p*kLanes+kLanes-1 of every row, the
-// last one zero-padded. One k-step of a panel is one cache line, and a panel is one contiguous
+// last one zero-padded. One k-step of a panel is one vector load, and a panel is one contiguous
 // run of memory, so the kernel streams the weights exactly once per call at any M <= kRows:
 // that is what makes decode (M = 1) and speculative verification (M = 2..8) cost the same
 // weight traffic, where a general GEMM packs the weights on every call.
 //
-// Tile: kRows rows of x times kPanels panels, held in registers across the whole K loop
-// (kRows * kPanels accumulators); x values are broadcast from memory. Threads split the panels;
-// the panels of a work item stay in L2 while larger M walks over them kRows rows at a time.
+// Tile: up to kRows rows of x times kPanels panels, held in registers across the whole K loop;
+// x values are broadcast from memory. Threads split the panels in items of kPanels; the panels of
+// an item stay in L2 while larger M walks over them kRows rows at a time. kLanes is the ISA's
+// register width (vec.h), so the packed layout is per ISA: pack with that library's lanes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,61 +23,89 @@
 namespace pdserve {
 namespace {
 
-#ifdef __AVX512F__
-constexpr int kRows = 8;  // 32 vector registers: 16 accumulators + 2 weight vectors
+// A work item is kPanels panels (the unit threads split); a tile is up to kRows rows of x times
+// the item's panels, kRows * kPanels accumulators in registers.
 constexpr int kPanels = 2;
+#ifdef __AVX512F__
+constexpr int kRows = 8;  // 32 zmm: 16 accumulators + 2 weight vectors
 #else
-constexpr int kRows = 6;  // 16 registers (a vfloat is two): 12 accumulators + 2 for the weights
-constexpr int kPanels = 1;
+constexpr int kRows = 6;  // 16 ymm (or xmm): 12 accumulators + 2 weight vectors + 1 broadcast
 #endif
+
+// With few rows the tile has few accumulators, so each waits on its own previous FMA (4-cycle
+// latency) and the loads idle: keep split_k partial sums over interleaved k instead (8
+// independent FMA chains in all), added together after the loop.
+constexpr int split_k(int rows, int panels) { return rows * panels >= 8 ? 1 : 8 / (rows * panels); }
 
 // acc[r][j] = sum_k x[r, k] * panel_j[k, :]; then written to out[r, (p0 + j) * kLanes ...]
 template <int R, int NP>
 void tile(const float* x, int64_t x_stride, const float* panels, int64_t K, int64_t p0,
-          int64_t num_panels, float* out, int64_t out_stride, int64_t N) {
-  vfloat acc[R][NP];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = vfloat{};
+          float* out, int64_t out_stride, int64_t N) {
+  constexpr int U = split_k(R, NP);
+  vfloat acc[U][R][NP];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) acc[u][r][j] = vfloat{};
   const float* w = panels + p0 * K * kLanes;
-  for (int64_t k = 0; k < K; ++k) {
+  auto fma_k = [&](vfloat (&a)[R][NP], int64_t k) {
     vfloat wk[NP];
     for (int j = 0; j < NP; ++j) wk[j] = vload(w + (j * K + k) * kLanes);
     for (int r = 0; r < R; ++r) {
       const vfloat xr = vsplat(x[r * x_stride + k]);
-      for (int j = 0; j < NP; ++j) acc[r][j] += xr * wk[j];
+      for (int j = 0; j < NP; ++j) a[r][j] += xr * wk[j];
     }
-  }
-  for (int j = 0; j < NP && p0 + j < num_panels; ++j) {
+  };
+  int64_t k = 0;
+  for (; k + U <= K; k += U)
+    for (int u = 0; u < U; ++u) fma_k(acc[u], k + u);
+  for (; k < K; ++k) fma_k(acc[0], k);
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) acc[0][r][j] += acc[u][r][j];
+  for (int j = 0; j < NP; ++j) {
     const int64_t col = (p0 + j) * kLanes;
     const int64_t width = std::min<int64_t>(kLanes, N - col);
     for (int r = 0; r < R; ++r) {
       float* dst = out + r * out_stride + col;
       if (width == kLanes) {
-        vstore(dst, acc[r][j]);
+        vstore(dst, acc[0][r][j]);
       } else {
         float tmp[kLanes];
-        vstore(tmp, acc[r][j]);
+        vstore(tmp, acc[0][r][j]);
         std::memcpy(dst, tmp, width * sizeof(float));
       }
     }
   }
 }
 
-template <int NP>
-void row_tail(int rows, const float* x, int64_t x_stride, const float* panels, int64_t K,
-              int64_t p0, int64_t P, float* out, int64_t out_stride, int64_t N) {
+// `rows` (1..kRows) rows of x against the item's panels p0 .. p0 + kPanels - 1 (the last item
+// may have fewer: a tile over a missing panel would read past the weights)
+template <int R>
+void rows_tile(const float* x, int64_t x_stride, const float* panels, int64_t K, int64_t p0,
+               int64_t P, float* out, int64_t out_stride, int64_t N) {
+  int64_t p = p0;
+  for (; p + kPanels <= std::min<int64_t>(p0 + kPanels, P); p += kPanels)
+    tile<R, kPanels>(x, x_stride, panels, K, p, out, out_stride, N);
+  for (; p < std::min<int64_t>(p0 + kPanels, P); ++p) tile<R, 1>(x, x_stride, panels, K, p, out, out_stride, N);
+}
+
+void rows_tile(int rows, const float* x, int64_t x_stride, const float* panels, int64_t K,
+               int64_t p0, int64_t P, float* out, int64_t out_stride, int64_t N) {
   switch (rows) {
-#define PDSERVE_TAIL(R) \
+#define PDSERVE_ROWS(R) \
   case R:               \
-    return tile<R, NP>(x, x_stride, panels, K, p0, P, out, out_stride, N);
-    PDSERVE_TAIL(1)
-    PDSERVE_TAIL(2)
-    PDSERVE_TAIL(3)
-    PDSERVE_TAIL(4)
-    PDSERVE_TAIL(5)
-    PDSERVE_TAIL(6)
-    PDSERVE_TAIL(7)
-#undef PDSERVE_TAIL
+    return rows_tile<R>(x, x_stride, panels, K, p0, P, out, out_stride, N);
+    PDSERVE_ROWS(1)
+    PDSERVE_ROWS(2)
+    PDSERVE_ROWS(3)
+    PDSERVE_ROWS(4)
+    PDSERVE_ROWS(5)
+    PDSERVE_ROWS(6)
+#ifdef __AVX512F__
+    PDSERVE_ROWS(7)
+    PDSERVE_ROWS(8)
+#endif
+#undef PDSERVE_ROWS
   }
 }
 
@@ -100,18 +129,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
   const int64_t items = (P + kPanels - 1) / kPanels;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t p0 = item * kPanels;
-      // a last item with fewer panels than kPanels reads one zero panel too many: avoid it
-      const bool full = p0 + kPanels <= P;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) {
-        if (full) tile<kRows, kPanels>(xp + m * xs, xs, wp, K, p0, P, op + m * N, N, N);
-        else tile<kRows, 1>(xp + m * xs, xs, wp, K, p0, P, op + m * N, N, N);
-      }
-      if (m < M) {
-        if (full) row_tail<kPanels>(M - m, xp + m * xs, xs, wp, K, p0, P, op + m * N, N, N);
-        else row_tail<1>(M - m, xp + m * xs, xs, wp, K, p0, P, op + m * N, N, N);
-      }
+      for (int64_t m = 0; m < M; m += kRows)
+        rows_tile(static_cast<int>(std::min<int64_t>(kRows, M - m)), xp + m * xs, xs, wp, K,
+                  item * kPanels, P, op + m * N, N, N);
     }
   });
   return out;

@@ -1,16 +1,31 @@
-// The SIMD vocabulary shared by the CPU kernels: one vector of kLanes fp32 values.
+// The SIMD vocabulary shared by the CPU kernels: one vector of kLanes fp32 values, as wide as
+// one register of the ISA the library is built for.
 //
-// 16 lanes = 64 bytes = one cache line. GCC's vector extension lowers it to one zmm register
-// with AVX-512, two ymm with AVX2, four xmm with SSE or NEON, so the kernels are written once
-// and compiled with -march=native for whatever machine runs them.
+// 16 lanes (a zmm, one cache line) with AVX-512, 8 (a ymm) with AVX2, 4 (an xmm or a NEON
+// register) otherwise. The width is native on purpose: a GCC vector wider than the registers is
+// split into halves that live on the stack, so every accumulator update waits for a store and a
+// load (a 16-lane type compiled for AVX2 made the matmul 2-3x slower than torch's). Kernels are
+// written once in terms of kLanes; permutation tables below are built for whatever it is.
 #pragma once
 
+#include <array>
 #include <cstring>
+#include <utility>
 
 namespace pdserve {
 
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+constexpr int kLog2Lanes = kLanes == 16 ? 4 : kLanes == 8 ? 3 : 2;
+static_assert(1 << kLog2Lanes == kLanes, "kLanes must be a power of two");
+
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int vint __attribute__((vector_size(kLanes * sizeof(int))));
 
 inline vfloat vload(const float* p) {
   vfloat v;
@@ -20,15 +35,29 @@ inline vfloat vload(const float* p) {
 
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-inline vfloat vsplat(float x) { return vfloat{} + x; }
+// lane 0 to every lane: one broadcast (vfloat{} + x would add a zero first)
+inline vfloat vsplat(float x) { return __builtin_shuffle(vfloat{x}, vint{}); }
 
-typedef int vint __attribute__((vector_size(kLanes * sizeof(int))));
+// A vint whose lane i is f(i), at compile time.
+template <class F, std::size_t... I>
+constexpr vint make_lanes(F f, std::index_sequence<I...>) {
+  return vint{f(static_cast<int>(I))...};
+}
+template <class F>
+constexpr vint lanes_of(F f) {
+  return make_lanes(f, std::make_index_sequence<kLanes>{});
+}
 
-// lane <-> lane ^ w for w = 8, 4, 2, 1: the butterfly of the tree reductions below
-constexpr vint kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-constexpr vint kSwap[4] = {kIota ^ 8, kIota ^ 4, kIota ^ 2, kIota ^ 1};
+constexpr vint kIota = lanes_of([](int i) { return i; });
 
-// Horizontal sum and max as log2(kLanes) shuffle steps, not a 15-step lane-by-lane chain.
+// kSwap[s]: lane <-> lane ^ w for w = kLanes / 2, ..., 2, 1: the butterfly of the reductions below
+template <std::size_t... S>
+constexpr std::array<vint, sizeof...(S)> make_swaps(std::index_sequence<S...>) {
+  return {lanes_of([](int i) { return i ^ (kLanes >> (S + 1)); })...};
+}
+constexpr std::array<vint, kLog2Lanes> kSwap = make_swaps(std::make_index_sequence<kLog2Lanes>{});
+
+// Horizontal sum and max as log2(kLanes) shuffle steps, not a lane-by-lane chain.
 inline float vsum(vfloat v) {
   for (const vint& swap : kSwap) v += __builtin_shuffle(v, swap);
   return v[0];
