@@ -58,12 +58,11 @@ class ColocatedBackend(Backend):
         self._num_active = 0
 
     async def start(self) -> None:
-        """Load the model and start the engine thread (the load runs off the event loop)."""
+        """Load the model and start the engine, both on the engine thread (off the event loop)."""
         from services.common.async_engine import AsyncEngine
 
-        core = await asyncio.to_thread(self._build_core)
-        self.engine = AsyncEngine(core)
-        self.engine.start()
+        self.engine = AsyncEngine()
+        await self.engine.build(self._build_core)
 
     def _build_core(self):
         from engine.core import EngineCore

@@ -1,9 +1,9 @@
 """The skeleton both workers share: flags -> engine -> AsyncEngine -> gRPC server -> drain.
 
-    runtime = load_runtime(args, Role.PREFILL)      # model, EngineCore in that role
-    asyncio.run(serve(runtime, PrefillWorker(runtime)))
+    runtime = await start_runtime(args, Role.PREFILL)  # model, EngineCore in that role, running
+    await serve(runtime, PrefillWorker(runtime))
 
-``serve`` starts the engine thread, creates the role's handler (its KV connectors too),
+``serve`` creates the role's handler (its KV connectors too),
 registers its servicers next to WorkerService (GetStats) and grpc.health.v1, prints one
 ``listening <role> <worker_id> <host:port>`` line to stdout, serves until SIGTERM/SIGINT, then
 drains (health NOT_SERVING, in-flight RPCs get ``--drain-grace-s``) and closes the handler.
@@ -60,20 +60,25 @@ def configure_logging(role: Role, level: str = "INFO") -> None:
                         format=f"%(asctime)s {role.value} %(levelname)s %(name)s: %(message)s")
 
 
-def load_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
-    """Pin CPUs, load the model, build the engine in ``role``. Raises STARTUP_ERRORS."""
+async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
+    """Pin CPUs, then load the model and build the engine in ``role`` on the engine thread
+    (``AsyncEngine.build`` says why that thread) and start it. Raises STARTUP_ERRORS."""
     from engine.models.loader import load_model
 
     apply_cpu_settings(args)
-    config, loaded = engine_config(args, role, load_model(args.model))
-    core = EngineCore(config, loaded)
+
+    def make_core() -> EngineCore:
+        config, loaded = engine_config(args, role, load_model(args.model))
+        return EngineCore(config, loaded)
+
+    engine = AsyncEngine()
+    core = await engine.build(make_core)
     worker_id = args.worker_id or f"{role.value}-{args.port}"
-    return WorkerRuntime(args, role, worker_id, loaded.config.name, core, AsyncEngine(core))
+    return WorkerRuntime(args, role, worker_id, core.config.model.name, core, engine)
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
     args = runtime.args
-    runtime.engine.start()
     try:
         servicers = await handler.start()
         stats = WorkerStatsServicer(runtime.core, runtime.worker_id, runtime.role.value,
@@ -99,9 +104,12 @@ def run_worker(argv: Sequence[str] | None, parser: argparse.ArgumentParser, role
 
     args = parser.parse_args(argv)
     configure_logging(role, args.log_level)
+    async def main() -> None:
+        runtime = await start_runtime(args, role)
+        await serve(runtime, make_handler(runtime))
+
     try:
-        runtime = load_runtime(args, role)
-        asyncio.run(serve(runtime, make_handler(runtime)))
+        asyncio.run(main())
     except STARTUP_ERRORS as exc:
         print(f"pdserve serve {role.value}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
