@@ -13,8 +13,10 @@
    (fewer at concurrency 1, ``--load-requests-c1``): output tokens/s, TTFT and ITL, and failed
    requests by HTTP status.
 
-Modes: ``colocated`` (router + one engine on all cores), ``nixl`` and ``grpc`` (router + 1
-prefill + 1 decode worker, each pinned to half the cores, KV over that transfer).
+Modes: ``colocated`` (router + one engine on all cores); ``nixl`` and ``grpc`` (router + 1
+prefill + 1 decode worker sharing every core, as ``pdserve up`` runs them, KV over that
+transfer); ``nixl-pinned`` and ``grpc-pinned`` (the same with ``--pin-cores``: each worker on
+its half of the cores).
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from loadtests.cluster import percentile, running_cluster, stream_completion
 
 MODES = {
     "colocated": ["--colocated"],
-    "nixl": ["--transfer", "nixl", "--pin-cores"],
-    "grpc": ["--transfer", "grpc", "--pin-cores"],
+    "nixl": ["--transfer", "nixl"],
+    "grpc": ["--transfer", "grpc"],
+    "nixl-pinned": ["--transfer", "nixl", "--pin-cores"],
+    "grpc-pinned": ["--transfer", "grpc", "--pin-cores"],
 }
 
 
 def decode_threads(mode: str) -> int:
     cores = len(os.sched_getaffinity(0))
-    return cores if mode == "colocated" else max(1, cores - cores // 2)
+    return max(1, cores - cores // 2) if mode.endswith("-pinned") else cores
 
 
 def prompts(tokenizer, length: int, count: int, salt: int = 0) -> list[list[int]]:
@@ -107,7 +111,7 @@ async def load(base_url: str, model: str, concurrency: int, num_requests: int, t
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", default="colocated,nixl,grpc")
+    parser.add_argument("--modes", default="colocated,nixl,grpc,nixl-pinned,grpc-pinned")
     parser.add_argument("--itl-tokens", type=int, default=64)
     parser.add_argument("--load-requests", type=int, default=32)
     parser.add_argument("--load-requests-c1", type=int, default=4)
