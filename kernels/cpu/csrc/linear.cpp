@@ -83,10 +83,8 @@ void tile(const float* x, int64_t x_stride, const float* panels, int64_t K, int6
 template <int R>
 void rows_tile(const float* x, int64_t x_stride, const float* panels, int64_t K, int64_t p0,
                int64_t P, float* out, int64_t out_stride, int64_t N) {
-  int64_t p = p0;
-  for (; p + kPanels <= std::min<int64_t>(p0 + kPanels, P); p += kPanels)
-    tile<R, kPanels>(x, x_stride, panels, K, p, out, out_stride, N);
-  for (; p < std::min<int64_t>(p0 + kPanels, P); ++p) tile<R, 1>(x, x_stride, panels, K, p, out, out_stride, N);
+  if (p0 + kPanels <= P) return tile<R, kPanels>(x, x_stride, panels, K, p0, out, out_stride, N);
+  for (int64_t p = p0; p < P; ++p) tile<R, 1>(x, x_stride, panels, K, p, out, out_stride, N);
 }
 
 void rows_tile(int rows, const float* x, int64_t x_stride, const float* panels, int64_t K,
