@@ -57,7 +57,7 @@ MIN_SECONDS, MIN_CALLS, MAX_CALLS = 0.05, 3, 20
 # Matmuls up to this many rows are bound by reading the weights, so they are timed over every
 # layer's weights (distinct tensors, up to LINEAR_WORKING_SET bytes), as a decode step reads
 # them: one layer's weights timed again and again sit in the cache, which favoured torch's GEMM
-# at 9..16 rows by 10% here where over the whole model the compiled kernel is 1.7x faster.
+# at 9..16 rows by 10% here where over the whole model the compiled kernel is 1.6x faster.
 # Bigger M is bound by arithmetic: one layer is enough.
 WEIGHT_BOUND_ROWS, LINEAR_WORKING_SET = 16, 512 << 20
 

@@ -16,7 +16,6 @@ restrict it (tests pin ``UCX_NET_DEVICES=lo``).
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import uuid
