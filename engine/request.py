@@ -146,6 +146,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def reset_for_recompute(self) -> None:
+        """Its blocks were taken (preempted, or its landed KV evicted): it computes again from
+        token 0. Drafts go; a request with no output yet will yield its prompt logprobs again.
+        The caller frees the blocks and queues it."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.spec_token_ids = []
+        if self.num_output_tokens == 0:
+            self.prompt_logprobs = None
+        self.num_preemptions += 1
+
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
 

@@ -124,7 +124,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        preempted = False
         # Decodes (with their drafts) first, then prefill chunks, each in arrival order: a long
         # prompt gets only what the token streams leave of the budget.
         for request in sorted(self.running, key=self._is_prefilling):
@@ -135,23 +134,16 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
-            while self.kv_manager.allocate_slots(
-                    request.request_id, request.num_computed_tokens + num_new,
-                    num_computed_tokens=request.num_computed_tokens) is None:
-                if self.running[-1] is request and self._evict_queued_kv(request):
-                    continue  # rather than preempting itself
-                victim = self.running.pop()
-                budget += self._preempt(victim, out)
-                preempted = True
-                if victim is request:
-                    break
-            else:
+            scheduled = self._allocate_or_preempt(request, num_new, out)
+            if out.preempted_ids:  # the preempted gave back what they had been scheduled
+                budget = self.config.max_num_batched_tokens - sum(out.num_scheduled_tokens.values())
+            if scheduled:
                 out.scheduled.append(request)
                 out.num_scheduled_tokens[request.request_id] = num_new
                 budget -= num_new
 
         for request in list(self.waiting):
-            if budget <= 0 or preempted or self._num_seats_taken() >= self.config.max_num_seqs:
+            if budget <= 0 or out.preempted_ids or self._num_seats_taken() >= self.config.max_num_seqs:
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
@@ -178,6 +170,22 @@ class Scheduler:
         out.copy_ops = self.kv_manager.take_copy_ops()
         return out
 
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Blocks for ``num_new`` more tokens of running ``request``. While there are none,
+        the newest running request is preempted (when that is ``request`` itself, a queued
+        request's landed KV is evicted first if there is one). False if ``request`` was
+        preempted; the preempted are in ``out.preempted_ids``."""
+        while self.kv_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new,
+                num_computed_tokens=request.num_computed_tokens) is None:
+            if self.running[-1] is request and self._evict_queued_kv(request):
+                continue  # rather than preempting itself
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
     def _allocate_queued(self, request: Request, num_total_tokens: int,
                          computed_blocks: list, num_computed: int) -> bool:
         """Blocks for a queued request to be admitted. When there are none and nothing runs
@@ -197,9 +205,7 @@ class Scheduler:
             if (request is not keep and request.status == RequestStatus.WAITING
                     and request.num_computed_tokens > 0):
                 self.kv_manager.free(request.request_id)
-                request.status = RequestStatus.PREEMPTED
-                request.num_computed_tokens = 0
-                request.num_preemptions += 1
+                request.reset_for_recompute()
                 self.num_preemptions += 1
                 return True
         return False
@@ -243,22 +249,17 @@ class Scheduler:
     def _is_prefilling(request: Request) -> bool:
         return request.num_tokens - request.num_computed_tokens > 1
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
-        """Free the request's blocks and queue it first for recompute. Returns the tokens it
-        had been scheduled this step (now back in the budget)."""
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks and queue it first for recompute; it leaves this step's
+        schedule if it was in it."""
         self.kv_manager.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        if request.num_output_tokens == 0:  # the recompute yields its prompt logprobs again
-            request.prompt_logprobs = None
-        request.num_preemptions += 1
+        request.reset_for_recompute()
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
         if request in out.scheduled:
             out.scheduled.remove(request)
-        return out.num_scheduled_tokens.pop(request.request_id, 0)
+        out.num_scheduled_tokens.pop(request.request_id, None)
 
     # ---- update ----------------------------------------------------------------------
 
