@@ -17,6 +17,7 @@ from engine.models.loader import LoadedModel
 from engine.request import Request
 from engine.runner.cpu_threads import configure_cpu_threads
 from engine.runner.inputs import ScheduledSeq, build_model_input
+from engine.runner.logit_rows import plan_logit_rows
 from engine.sampling.logprobs import compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata
 from engine.sampling.sampler import Sampler
@@ -70,55 +71,32 @@ class ModelRunner:
             src, dst = zip(*sched.copy_ops)
             self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),
                               torch.tensor(dst, device=self.device))
-        seqs: list[ScheduledSeq] = []
-        sample_rows: list[tuple[Request, int]] = []  # (request to sample for, logits row)
-        verify_reqs: list[Request] = []
-        verify_rows: list[int] = []  # logits rows of the verified positions, request by request
-        prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first row, count, start)
-        num_rows = 0
-        for request in sched.scheduled:
-            num_new = sched.num_scheduled_tokens[request.request_id]
+        rows = plan_logit_rows(sched.scheduled, sched.num_scheduled_tokens, sched.fork_children)
+        seqs = []
+        for request, num_logits in zip(sched.scheduled, rows.num_logits):
             start = request.num_computed_tokens
-            token_ids = request.token_view_with_spec[start:start + num_new]
-            reaches_end = start + num_new >= request.num_tokens
-            wants_prompt = (request.sampling_params.prompt_logprobs is not None
-                            and start < request.num_prompt_tokens
-                            and request.num_output_tokens == 0)  # a recompute needs none
-            num_logits = num_new if wants_prompt else int(reaches_end)
-            if request.spec_token_ids:  # the last token + k drafts: k + 1 positions to verify
-                num_logits = max(num_logits, len(request.spec_token_ids) + 1)
-            seqs.append(ScheduledSeq(token_ids, start, block_ids[request.request_id], num_logits))
-            if wants_prompt:  # row for position p predicts prompt token p + 1
-                count = min(start + num_new, request.num_prompt_tokens - 1) - start
-                prompt_rows.append((request, num_rows, count, start))
-            if request.spec_token_ids:
-                verify_reqs.append(request)
-                verify_rows += range(num_rows + num_logits - len(request.spec_token_ids) - 1,
-                                     num_rows + num_logits)
-            elif reaches_end:
-                last_row = num_rows + num_logits - 1
-                sample_rows += [(r, last_row) for r in
-                                [request, *sched.fork_children.get(request.request_id, ())]]
-            num_rows += num_logits
+            end = start + sched.num_scheduled_tokens[request.request_id]
+            seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
+                                     block_ids[request.request_id], num_logits))
 
         model_input = build_model_input(seqs, self.block_size, self.device)
         hidden = self.model.forward(model_input.input_ids, model_input.positions,
                                     model_input.attn, self.kv_cache)
         out = RunnerOutput()
-        if num_rows == 0:
+        if rows.num_rows == 0:
             return out
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        for request, first, count, start in prompt_rows:
+        for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
             out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits[first:first + count], next_ids, request.sampling_params.prompt_logprobs,
                 include_first=start == 0)
-        if sample_rows:
-            self._sample(logits, sample_rows, out)
-        if verify_reqs:
-            accepted = verify_drafts(logits[verify_rows], verify_reqs, draft_probs or {},
+        if rows.sample_rows:
+            self._sample(logits, rows.sample_rows, out)
+        if rows.verify_requests:
+            accepted = verify_drafts(logits[rows.verify_rows], rows.verify_requests, draft_probs or {},
                                      self.vocab_size, self.device, self.sampler.generator)
-            for request, token_ids in zip(verify_reqs, accepted):
+            for request, token_ids in zip(rows.verify_requests, accepted):
                 out.sampled[request.request_id] = token_ids
         return out
 
