@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import SpecDecoder
+from engine.stats import EngineStats, Sendable
 
 
 class EngineCore:
@@ -147,9 +148,43 @@ class EngineCore:
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.kv_manager.get_block_ids(request_id)
 
+    def sendable(self, request_id: str) -> Sendable | None:
+        """PREFILL role: the KV of ``request_id`` that exists now (running, or finished and
+        held for sending); None once it is gone. Reads without pausing the engine (one dict
+        lookup, ints and a list copy), so another thread gets a consistent-enough view."""
+        request = self.scheduler.requests.get(request_id) or self.scheduler.held.get(request_id)
+        if request is None:
+            return None
+        return Sendable(self.kv_manager.get_block_ids(request_id), request.num_computed_tokens,
+                        request.num_preemptions > 0)
+
     def release_held(self, request_id: str) -> None:
         """PREFILL role: the finished request's blocks were sent; free (and keep cached) them."""
         self.scheduler.release_held(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Free what ``request_id`` holds: its held blocks when it finished (PREFILL role),
+        else abort it. Unknown ids are ignored."""
+        if request_id in self.scheduler.held:
+            self.release_held(request_id)
+        else:
+            self.abort_request(request_id)
+
+    @property
+    def kv_cache(self):
+        """The KV cache tensor (``engine.kv_cache.storage`` layout), for KV connectors to register."""
+        return self.runner.kv_cache
+
+    def stats(self) -> EngineStats:
+        """Load and pool sizes. Reads without pausing the engine: each number is one atomic read
+        or a list copy under the GIL, so a snapshot taken from another thread may mix two steps
+        but never raises."""
+        requests = list(self.scheduler.requests.values())
+        outstanding = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests
+                          if r.status != RequestStatus.WAITING_FOR_REMOTE_KV)
+        return EngineStats(self.block_pool.num_free_blocks, self.runner.num_blocks,
+                           self.config.cache.block_size, len(self.scheduler.running),
+                           len(self.scheduler.waiting), outstanding)
 
     def spec_stats(self) -> dict | None:
         """Speculation statistics (proposed / accepted per position), None when it is off."""

@@ -15,9 +15,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
+from engine.stats import EngineStats, Sendable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,6 +89,26 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # ---- API for async handlers ------------------------------------------------------
+    # Reads that do not pause the engine (EngineCore documents why they are safe from another
+    # thread); everything that changes the engine goes through call().
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def kv_cache(self):
+        return self.core.kv_cache
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def sendable(self, request_id: str) -> Sendable | None:
+        return self.core.sendable(request_id)
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run ``fn(core)`` on the engine thread between two steps; return its result or

@@ -64,8 +64,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         self._background: set[asyncio.Task] = set()
 
     async def start(self):
-        args, core = self.runtime.args, self.runtime.core
-        self.receivers = make_receivers(args.transfer, self.runtime.model_name, core.runner.kv_cache)
+        self.receivers = make_receivers(self.runtime.args.transfer, self.runtime.model_name,
+                                        self.engine.kv_cache)
         grpc_receiver = next(r for r in self.receivers if isinstance(r, GrpcKVReceiver))
         kv_servicer = GuardedKVTransferServicer(grpc_receiver, self.receivers[-1], self.reservations)
         self._housekeeper = asyncio.get_running_loop().create_task(self._housekeep())
@@ -89,11 +89,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         if reservation_id in self.reservations:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"ReserveBlocks: {reservation_id!r} is already reserved")
-        core = self.runtime.core
         try:
             # reserve_remote validates but keeps the caller's params: tokenize bad words here.
             params = params_from_proto(request.sampling_params).with_bad_words_tokenized(
-                core.tokenizer.encode)
+                self.engine.tokenizer.encode)
             reserving = asyncio.ensure_future(
                 self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
             try:
@@ -106,10 +105,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         except EngineDead as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if block_ids is None:
-            block_size = core.config.cache.block_size
+            block_size = self.engine.config.cache.block_size
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker {self.runtime.worker_id} has {core.block_pool.num_free_blocks} free "
+                f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "
                 f"KV blocks; a {len(prompt)}-token prompt needs {-(-len(prompt) // block_size)}")
         self.reservations.add(reservation_id, prompt, params, block_ids)
         return worker_pb2.ReserveBlocksResponse(reservation=worker_pb2.BlockReservation(
@@ -151,7 +150,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         request_id = reservation.reservation_id
         finished = handed_over = False
         try:
-            vocab_size = self.runtime.core.model_config.vocab_size
+            vocab_size = self.engine.config.model.vocab_size
             first_token = self._check_tokens(request, reservation, vocab_size)
             if first_token is None:
                 await context.abort(

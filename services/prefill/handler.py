@@ -37,7 +37,6 @@ import time
 import grpc
 
 from engine.config import Role
-from engine.core import EngineCore
 from engine.kv_transfer.base import KVTransferError
 from engine.sampling_params import SamplingParams
 from services.common.async_engine import EngineDead
@@ -78,7 +77,7 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
         self.default_method = transfer_methods(runtime.args.transfer)[0]
 
     async def start(self):
-        kv_cache = self.runtime.core.runner.kv_cache
+        kv_cache = self.runtime.engine.kv_cache
         for method, factory in sender_factories(self.runtime.args.transfer,
                                                 self.runtime.model_name).items():
             self.pushers[method] = await KVPusher.create(factory, kv_cache)
@@ -228,7 +227,7 @@ class _PrefillJob:
         try:
             self.transfer = RequestTransfer(pusher, remote, self.request_id,
                                             list(reservation.block_ids),
-                                            worker.runtime.core.config.cache.block_size,
+                                            self.engine.config.cache.block_size,
                                             len(self.prompt), self.lease)
         except TransferFailed as exc:
             raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
@@ -255,15 +254,14 @@ class _PrefillJob:
         try:
             changed = transfer.collect()
             # Read the live request (a preemption frees blocks and resets its progress).
-            core: EngineCore = self.worker.runtime.core
-            live = core.scheduler.requests.get(self.request_id) or core.scheduler.held.get(self.request_id)
+            live = self.engine.sendable(self.request_id)
             if live is None:
                 return changed
-            if live.num_preemptions and transfer.num_blocks_queued:
+            if live.was_preempted and transfer.num_blocks_queued:
                 raise TransferFailed("the prefill worker ran out of KV blocks and preempted the "
                                      "request while its KV was being pushed; retry it")
             num_computed = min(num_computed_tokens, live.num_computed_tokens)
-            await transfer.push(core.get_block_ids(self.request_id), num_computed)
+            await transfer.push(live.block_ids, num_computed)
             return changed
         except TransferFailed as exc:
             self._fail_transfer(exc)
@@ -286,7 +284,7 @@ class _PrefillJob:
         the scheduler's stop rules, in its order, for output position 1."""
         params = self.params
         if params.min_tokens <= 1:
-            if not params.ignore_eos and token_id in self.worker.runtime.core.model_config.eos_token_ids:
+            if not params.ignore_eos and token_id in self.engine.config.model.eos_token_ids:
                 return "stop", None
             if token_id in params.stop_token_ids:
                 return "stop", token_id
@@ -301,7 +299,7 @@ class _PrefillJob:
         if self.adding is not None and await self._was_added():
             request_id = self.request_id
             try:
-                await self.engine.call(lambda core: _drop(core, request_id))
+                await self.engine.call(lambda core: core.drop(request_id))
             except EngineDead:
                 pass
         if self.subscribed:  # after the drop: until then no other call may use this id
@@ -324,11 +322,3 @@ class _PrefillJob:
         except (ValueError, EngineDead):
             return False
         return True
-
-
-def _drop(core: EngineCore, request_id: str) -> None:
-    """Release a finished request's held blocks, or abort it if it still runs."""
-    if request_id in core.scheduler.held:
-        core.release_held(request_id)
-    else:
-        core.abort_request(request_id)

@@ -20,13 +20,9 @@ from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
 from services.router.backend import Backend
 from services.router.colocated import ColocatedBackend, EngineSizing
 from services.router.frontend import Frontend, RouterState
-from services.router.grpc_frontend import (
-    GENERATE_SERVICE_NAME,
-    WORKER_SERVICE_NAME,
-    GenerateServicer,
-    WorkerStatsServicer,
-)
+from services.router.grpc_frontend import GENERATE_SERVICE_NAME, GenerateServicer
 from services.router.openai_http import HttpServer, start_http_server
+from services.worker.stats import WORKER_SERVICE_NAME, WorkerStatsServicer
 
 log = logging.getLogger("pdserve.router")
 HEALTH_POLL_S = 1.0  # how often the backend's health is mirrored into grpc.health.v1
@@ -59,7 +55,7 @@ class Router:
         names = [GENERATE_SERVICE_NAME]
         if isinstance(backend, ColocatedBackend):
             servicers.append((worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-                              WorkerStatsServicer(backend)))
+                              WorkerStatsServicer(backend.stats, "router", "colocated")))
             names.append(WORKER_SERVICE_NAME)
         self.grpc = await start_grpc_server(servicers, port=config.grpc_port, host=config.host,
                                             service_names=names, is_serving=False)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
 from services.router.model_info import ModelInfo
 
@@ -37,15 +38,6 @@ class EngineSizing:
     device: str = "cpu"
     # Requests admitted at once (running + queued) before new ones get Overloaded.
     max_active_requests: int = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_free_blocks: int
-    num_total_blocks: int
-    block_size: int
-    num_running_requests: int
-    num_waiting_requests: int
 
 
 class ColocatedBackend(Backend):
@@ -122,10 +114,4 @@ class ColocatedBackend(Backend):
         """Block pool and queue sizes, read between two engine steps."""
         if self.engine is None:
             raise BackendError("the colocated engine is not running")
-
-        def read(core) -> EngineStats:
-            return EngineStats(core.block_pool.num_free_blocks, core.block_pool.num_blocks,
-                               core.config.cache.block_size, len(core.scheduler.running),
-                               len(core.scheduler.waiting))
-
-        return await self.engine.call(read)
+        return await self.engine.call(lambda core: core.stats())

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.sampling_params import SamplingParams
-from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.router.backend import BackendError, Overloaded
 from services.router.frontend import Frontend, InvalidRequest, RouterState, SampleDelta
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
 
 log = logging.getLogger(__name__)
 GENERATE_SERVICE_NAME = "pdserve.v1.GenerateService"
-WORKER_SERVICE_NAME = "pdserve.v1.WorkerService"
 
 _FINISH_REASONS = {None: generate_pb2.FINISH_REASON_UNSPECIFIED,
                    "stop": generate_pb2.FINISH_REASON_STOP,
@@ -93,25 +92,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
         finally:  # also on cancel / deadline: abort the request in the backend
             await generation.aclose()
-
-
-class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """GetStats of the router's own engine (colocated mode only)."""
-
-    def __init__(self, backend: ColocatedBackend) -> None:
-        self.backend = backend
-
-    async def GetStats(self, request: worker_pb2.GetStatsRequest,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        try:
-            stats = await self.backend.stats()
-        except BackendError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        return worker_pb2.WorkerStats(
-            worker_id="router", role="colocated", num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks, block_size=stats.block_size,
-            num_running_requests=stats.num_running_requests,
-            num_waiting_requests=stats.num_waiting_requests)
 
 
 def _tokenize(frontend: Frontend, request: generate_pb2.GenerateRequest) -> list[int]:

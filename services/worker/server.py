@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from engine.config import ConfigError, Role
 from engine.core import EngineCore
+from engine.stats import EngineStats
 from engine.kv_transfer.base import KVTransferError
 from services.common.async_engine import AsyncEngine
 from services.common.grpc_server import AddServicer, start_grpc_server
@@ -38,7 +39,6 @@ class WorkerRuntime:
     role: Role
     worker_id: str
     model_name: str
-    core: EngineCore
     engine: AsyncEngine
 
 
@@ -74,21 +74,26 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
     engine = AsyncEngine()
     core = await engine.build(make_core)
     worker_id = args.worker_id or f"{role.value}-{args.port}"
-    return WorkerRuntime(args, role, worker_id, core.config.model.name, core, engine)
+    return WorkerRuntime(args, role, worker_id, core.config.model.name, engine)
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
     args = runtime.args
     try:
         servicers = await handler.start()
-        stats = WorkerStatsServicer(runtime.core, runtime.worker_id, runtime.role.value,
+        engine = runtime.engine
+
+        async def read_stats() -> EngineStats:
+            return engine.stats()
+
+        stats = WorkerStatsServicer(read_stats, runtime.worker_id, runtime.role.value,
                                     transfer_methods(args.transfer))
         server = await start_grpc_server(
             [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
             port=args.port, host=args.host,
             service_names=[*handler.service_names, WORKER_SERVICE_NAME])
         log.info("%s worker %s serving on %s (transfer %s, %d KV blocks)", runtime.role.value,
-                 runtime.worker_id, server.address, args.transfer, runtime.core.runner.num_blocks)
+                 runtime.worker_id, server.address, args.transfer, engine.stats().num_total_blocks)
         print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:

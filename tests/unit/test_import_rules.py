@@ -1,5 +1,6 @@
-"""The layering rules of DESIGN.md, checked: engine/ imports no network code, and the router's
-disaggregated path (what a router process loads) never imports torch."""
+"""The layering rules of DESIGN.md, checked: engine/ imports no network code, the router's
+disaggregated path (what a router process loads) never imports torch, and services use the
+engine only through its named API (AsyncEngine, EngineCore's public methods)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_router_disaggregated_path_is_torch_free():
     code = (
         "import sys\n"
         "import services.router.frontend, services.router.openai_http, services.router.grpc_frontend\n"
-        "import services.router.disaggregated, services.router.policy\n"
+        "import services.router.disaggregated, services.router.policy, services.router.app\n"
+        "import services.worker.stats\n"
         "import engine.sampling_params, engine.kv_cache.hashing, engine.models.tokenizer\n"
         "import engine.sampling.detokenizer\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
@@ -41,3 +43,36 @@ def test_router_disaggregated_path_is_torch_free():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# EngineCore's parts: a service that reads these from the event-loop thread races the engine
+# thread, and couples itself to the scheduler's layout.
+ENGINE_INTERNALS = {"scheduler", "block_pool", "kv_manager", "runner", "spec"}
+
+
+def _is_core(node: ast.expr) -> bool:
+    """``core``, ``c`` in ``call(lambda c: ...)``, or ``<anything>.core``."""
+    return ((isinstance(node, ast.Name) and node.id in ("core", "c"))
+            or (isinstance(node, ast.Attribute) and node.attr == "core"))
+
+
+def test_services_reach_no_engine_internals():
+    offenders = []
+    for path in (ROOT / "services").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS and _is_core(node.value):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert offenders == []
+
+
+def test_services_hold_the_engine_only_in_async_engine():
+    """Only AsyncEngine keeps an EngineCore; everything else asks it (``core`` attributes
+    elsewhere would let handlers bypass it)."""
+    offenders = []
+    for path in (ROOT / "services").rglob("*.py"):
+        if path.name == "async_engine.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "core":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
