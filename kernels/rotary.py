@@ -9,15 +9,23 @@ The frequencies f live in ``cos_sin_cache: [max_pos, head_dim]`` = [cos | sin], 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kernels._checks import FLOAT_DTYPES, check_tensor
 from kernels._triton import check_launchable, tl, triton
 
-if TYPE_CHECKING:
-    from engine.config import RopeScaling
+
+class RopeScaling(Protocol):
+    """The fields read here (``engine.config.RopeScaling`` has them; kernels import nothing
+    from the engine)."""
+
+    kind: str  # 'none', 'linear' or 'llama3'
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 def build_cos_sin_cache(head_dim: int, max_pos: int, base: float,

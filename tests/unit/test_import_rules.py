@@ -30,6 +30,13 @@ def test_engine_imports_no_network_code():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def test_kernels_import_nothing_from_the_engine():
+    """kernels/ is the bottom layer: the engine picks its kernels, never the other way round."""
+    offenders = {str(p.relative_to(ROOT)): sorted(_imported_modules(p) & {"engine", "services"})
+                 for p in (ROOT / "kernels").rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
 def test_router_disaggregated_path_is_torch_free():
     code = (
         "import sys\n"
