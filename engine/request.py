@@ -29,10 +29,14 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    # PREFILL role: the prompt is computed and the first token sampled, and the request goes on
+    # on a decode worker; its blocks are held until they are sent. A first token that ends the
+    # request is FINISHED_STOPPED or FINISHED_LENGTH instead.
+    FINISHED_PREFILLED = "prefilled"
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self.value in ("stop", "length", "abort", "error", "prefilled")
 
 
 class TokenView(Sequence):

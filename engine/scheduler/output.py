@@ -37,7 +37,7 @@ class RequestOutput:
     request_id: str  # the sample's id ("<id>/<index>" when n > 1)
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
     stop_reason: int | str | None = None
     new_logprobs: list | None = None  # per new token, see engine.sampling.logprobs
     prompt_logprobs: list | None = None

@@ -356,7 +356,7 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if self.config.role == Role.PREFILL:
-            return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_PREFILLED
         return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
@@ -376,7 +376,7 @@ class Scheduler:
         del self.requests[request.request_id]
         # Samples still waiting to fork from it compute their prompt themselves.
         self.waiting.extendleft(reversed(self.fork_pending.pop(request.request_id, [])))
-        if self.config.role == Role.PREFILL and status == RequestStatus.FINISHED_STOPPED:
+        if status == RequestStatus.FINISHED_PREFILLED:
             self.held[request.request_id] = request
         else:
             self.kv_manager.free(request.request_id)

@@ -166,8 +166,9 @@ class _PrefillJob:
                                    f"{': ' + output.error if output.error else ''})")
             if output.new_token_ids:
                 token_id = output.new_token_ids[0]
-                reason, stop_token_id = self._first_token_finish(token_id, output.finish_reason)
-                ends_request = reason is not None
+                ends_request = output.finish_reason in ("stop", "length")
+                reason = output.finish_reason if ends_request else None
+                stop_token_id = output.stop_reason if isinstance(output.stop_reason, int) else None
                 first = worker_pb2.FirstToken(
                     token_id=token_id, finish_reason=finish_to_proto(reason),
                     num_cached_prompt_tokens=output.num_cached_tokens,
@@ -278,19 +279,6 @@ class _PrefillJob:
         return worker_pb2.PrefillResponse(request_id=self.request_id, transfer=worker_pb2.TransferProgress(
             num_blocks_sent=transfer.num_blocks_sent if transfer else 0,
             num_blocks_total=transfer.num_blocks_total if transfer else 0, done=done))
-
-    def _first_token_finish(self, token_id: int, engine_reason: str | None) -> tuple[str | None, int | None]:
-        """Whether the first token ends the request (not merely the prefill role's stop):
-        the scheduler's stop rules, in its order, for output position 1."""
-        params = self.params
-        if params.min_tokens <= 1:
-            if not params.ignore_eos and token_id in self.engine.config.model.eos_token_ids:
-                return "stop", None
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
-        if engine_reason == "length":
-            return "length", None
-        return None, None
 
     async def cleanup(self) -> None:
         """Free everything this call still holds, in a safe order (see the module docstring)."""

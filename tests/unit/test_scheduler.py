@@ -306,6 +306,22 @@ def test_a_parent_finished_before_its_fork_hands_its_samples_back(new_scheduler)
     assert all_blocks_free(scheduler)
 
 
+@pytest.mark.parametrize("params, reason, stop_reason", [
+    ({"eos_token_ids": (100,)}, "stop", None),       # the first token is EOS
+    ({"stop_token_ids": [100]}, "stop", 100),        # ... or a stop token
+    ({"max_tokens": 1}, "length", None),             # ... or the last one allowed
+])
+def test_a_first_token_that_ends_the_request_is_its_real_finish_and_frees_the_blocks(
+        new_scheduler, params, reason, stop_reason):
+    """PREFILL role: nothing goes on on a decode worker, so the request is not held."""
+    scheduler, runner = new_scheduler(num_blocks=8, max_num_batched_tokens=16, role=Role.PREFILL)
+    scheduler.add_request(make_request("x", 10, **{"max_tokens": 16, **params}))
+    _, outputs = runner.step()
+    assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in outputs] == [
+        ([100], reason, stop_reason)]
+    assert not scheduler.held and all_blocks_free(scheduler)
+
+
 def test_prefill_role_stops_after_the_first_token_and_holds_the_blocks(new_scheduler):
     scheduler, runner = new_scheduler(num_blocks=8, max_num_batched_tokens=8, role=Role.PREFILL)
     scheduler.add_request(make_request("x", 10, max_tokens=16))
@@ -317,7 +333,7 @@ def test_prefill_role_stops_after_the_first_token_and_holds_the_blocks(new_sched
     sched, outputs = runner.step()
     assert scheduled(sched) == {"x": 2}
     assert [(o.new_token_ids, o.num_computed_tokens, o.finish_reason) for o in outputs] == [
-        ([100], 10, "stop")]
+        ([100], 10, "prefilled")]
     assert not scheduler.has_unfinished_requests() and scheduler.schedule().is_empty
     assert scheduler.held.keys() == {"x"}
     assert scheduler.kv_manager.get_block_ids("x") == [0, 1, 2]
