@@ -22,6 +22,7 @@ from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.scheduler.forks import PendingForks
 from engine.scheduler.output import RequestOutput, SchedulerOutput
 
 
@@ -38,9 +39,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # PREFILL: finished, blocks kept until released
-        # n > 1: samples 1..n-1 wait here until sample 0's prompt is computed, then share its
-        # blocks (fork, copy-on-write) instead of recomputing the prompt.
-        self.fork_pending: dict[str, list[Request]] = {}
+        self.forks = PendingForks()  # n > 1: samples waiting to share sample 0's prompt blocks
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------
@@ -57,7 +56,7 @@ class Scheduler:
         self._update_block_hashes(request)
         self.requests[request.request_id] = request
         if fork_from is not None:
-            self.fork_pending.setdefault(fork_from, []).append(request)
+            self.forks.add(fork_from, request)
         else:
             self.waiting.append(request)
 
@@ -216,24 +215,19 @@ class Scheduler:
         seats under max_num_seqs; the others go to the front of the queue and compute the
         prompt themselves (a prefix hit on its blocks once they are cached)."""
         for request in out.scheduled:
-            children = self.fork_pending.get(request.request_id)
+            children = self.forks.of(request.request_id)
             num_scheduled = out.num_scheduled_tokens[request.request_id]
             if not children or request.num_computed_tokens + num_scheduled < request.num_tokens:
                 continue
             num_seats = self.config.max_num_seqs - (self._num_seats_taken() - len(children))
-            num_forked = max(num_seats, 0)
-            self.waiting.extendleft(reversed(children[num_forked:]))
-            del children[num_forked:]
+            self.waiting.extendleft(reversed(self.forks.keep_first(request.request_id, max(num_seats, 0))))
             if children:
                 out.fork_children[request.request_id] = list(children)
-            else:
-                del self.fork_pending[request.request_id]
 
     def _num_seats_taken(self) -> int:
         """Running requests plus the samples that will fork from running ones."""
-        return len(self.running) + sum(
-            len(children) for parent_id, children in self.fork_pending.items()
-            if self.requests[parent_id].status == RequestStatus.RUNNING)
+        return len(self.running) + self.forks.num_waiting_on(
+            lambda parent_id: self.requests[parent_id].status == RequestStatus.RUNNING)
 
     def _chunk_cap(self) -> int:
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
@@ -311,7 +305,7 @@ class Scheduler:
             children = [] if request.is_finished else [  # aborted while the step ran
                 c for c in out.fork_children.get(request.request_id, ()) if not c.is_finished]
             if children:
-                self.fork_pending.pop(request.request_id, None)
+                self.forks.take(request.request_id)
                 for child in children:
                     self.kv_manager.fork(request.request_id, child.request_id)
             yield request
@@ -372,10 +366,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         else:
-            self._drop_pending_fork(request)
+            self.forks.drop(request)
         del self.requests[request.request_id]
         # Samples still waiting to fork from it compute their prompt themselves.
-        self.waiting.extendleft(reversed(self.fork_pending.pop(request.request_id, [])))
+        self.waiting.extendleft(reversed(self.forks.take(request.request_id)))
         if status == RequestStatus.FINISHED_PREFILLED:
             self.held[request.request_id] = request
         else:
@@ -386,14 +380,6 @@ class Scheduler:
         output.stop_reason = request.stop_reason
         output.error = request.error
         return output
-
-    def _drop_pending_fork(self, request: Request) -> None:
-        for parent_id, children in list(self.fork_pending.items()):
-            if request in children:
-                children.remove(request)
-                if not children:
-                    del self.fork_pending[parent_id]
-                return
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -124,7 +124,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
     assert num_free + num_cached + num_in_use == pool.num_blocks
     assert num_free + num_cached == pool.num_free_blocks
 
-    pending = [c for children in scheduler.fork_pending.values() for c in children]
+    pending = list(scheduler.forks)
     everywhere = [r.request_id for r in [*scheduler.running, *scheduler.waiting, *pending]]
     assert len(set(everywhere)) == len(everywhere), f"a request is in two queues: {everywhere}"
     assert set(everywhere) == set(scheduler.requests), (everywhere, list(scheduler.requests))

@@ -213,7 +213,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             check_scheduler(scheduler)
         else:
             raise AssertionError(f"livelock: waiting={list(scheduler.waiting)} "
-                                 f"running={scheduler.running} pending={scheduler.fork_pending}")
+                                 f"running={scheduler.running} pending={scheduler.forks}")
         for request_id in list(scheduler.held):
             scheduler.release_held(request_id)
 
