@@ -5,7 +5,7 @@ an unknown model (as generate.proto documents), RESOURCE_EXHAUSTED when overload
 UNAVAILABLE while starting or draining, INTERNAL when the backend fails mid-request. A
 client's cancel or an expired deadline cancels the handler, which closes the Generation and
 so aborts the request in the backend. In colocated mode the router also serves
-WorkerService.GetStats (block pool and queue sizes of its engine).
+WorkerService.GetStats (block pool and queue sizes of its engine, and its engine settings).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.sampling_params import SamplingParams
+from services.common.engine_flags import engine_argv
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.router.backend import BackendError, Overloaded
 from services.router.frontend import Frontend, InvalidRequest, RouterState, SampleDelta
@@ -111,7 +112,8 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             worker_id="router", role="colocated", num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, block_size=stats.block_size,
             num_running_requests=stats.num_running_requests,
-            num_waiting_requests=stats.num_waiting_requests)
+            num_waiting_requests=stats.num_waiting_requests,
+            engine_argv=engine_argv(self.backend.engine_args))
 
 
 def _tokenize(frontend: Frontend, request: generate_pb2.GenerateRequest) -> list[int]:
