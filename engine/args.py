@@ -43,7 +43,8 @@ class EngineArgs:
     ``kv_cache_memory``; ``max_model_len`` None keeps the model's context length."""
 
     block_size: int = _setting(CacheConfig.block_size, "tokens per KV block (a power of two)")
-    num_kv_blocks: int | None = _setting(CacheConfig.num_blocks, "KV blocks (wins over --kv-cache-memory)")
+    num_kv_blocks: int | None = _setting(CacheConfig.num_blocks,
+                                         "KV blocks (wins over --kv-cache-memory)")
     kv_cache_memory: int = _setting(CacheConfig.memory_budget_bytes,
                                     "KV cache bytes, when --num-kv-blocks is not given")
     enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching,
@@ -70,8 +71,8 @@ class EngineArgs:
                                              "target decode steps (default: from weight bytes)")
 
     def build(self, model_config: ModelConfig, role: Role) -> EngineConfig:
-        """The validated configuration of an engine in ``role`` serving ``model_config``, whose
-        ``max_model_len`` is capped to ours when we set one (EngineCore serves ``config.model``).
+        """The validated configuration of an engine in ``role`` serving ``model_config``, with
+        its ``max_model_len`` replaced by ours when we set one (EngineCore serves ``config.model``).
 
         A prefill engine stops after the first token, so it never speculates: the spec fields
         are validated for every role but applied for COLOCATED and DECODE only.

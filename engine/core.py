@@ -21,7 +21,7 @@ from engine.spec_decode.decoder import SpecDecoder
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """An engine for ``loaded`` that serves ``config.model``: the loaded model's config,
-        where only ``max_model_len`` may differ (a cap, see EngineArgs.build).
+        where only ``max_model_len`` may differ (``EngineArgs.max_model_len``).
         Raises ConfigError when any other field differs."""
         if dataclasses.replace(config.model, max_model_len=loaded.config.max_model_len) != loaded.config:
             raise ConfigError(f"EngineConfig.model is not the loaded model's config (only "
