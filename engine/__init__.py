@@ -1,5 +1,6 @@
-"""pdserve's inference core. ``from engine import LLM, SamplingParams``."""
+"""pdserve's inference core. ``from engine import LLM, EngineArgs, SamplingParams``."""
 
+from engine.args import EngineArgs
 from engine.sampling_params import SamplingParams
 
 
@@ -11,4 +12,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams"]

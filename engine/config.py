@@ -61,6 +61,9 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
 
+DTYPES = ("float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -89,8 +92,8 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"CacheConfig.dtype must be float32|float16|bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"CacheConfig.dtype must be {'|'.join(DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.models.loader import LoadedModel
@@ -21,6 +21,13 @@ from engine.stats import EngineStats, Sendable
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """An engine for ``loaded`` that serves ``config.model``: the loaded model's config,
+        where only ``max_model_len`` may differ (``EngineArgs.max_model_len``).
+        Raises ConfigError when any other field differs."""
+        if dataclasses.replace(config.model, max_model_len=loaded.config.max_model_len) != loaded.config:
+            raise ConfigError(f"EngineConfig.model is not the loaded model's config (only "
+                              f"max_model_len may differ): {config.model} vs {loaded.config}")
+        loaded = dataclasses.replace(loaded, config=config.model)
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from engine.args import EngineArgs
+from engine.config import Role
 from engine.core import EngineCore
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling.detokenizer import IncrementalDetokenizer
@@ -60,39 +61,17 @@ class StreamDelta:
 class LLM:
     """Loads a model (``None`` = the embedded default; a path; or a LoadedModel) and generates.
 
-    Keyword arguments set the engine: block_size, num_kv_blocks, kv_cache_memory (bytes),
-    max_num_seqs, max_num_batched_tokens, max_model_len, device, dtype, enable_prefix_caching,
-    num_threads (CPU compute threads; 0: every CPU this process may run on);
-    speculative decoding: spec_method ('ngram' | 'layer-skip' | 'draft'), spec_k, draft_model,
-    spec_layers, spec_max_batch, spec_draft_cost.
+    Keyword arguments are EngineArgs fields (engine/args.py: block_size, num_kv_blocks,
+    kv_cache_memory, max_num_seqs, ..., the spec_* fields); an unknown one raises TypeError.
     """
 
-    def __init__(self, model: str | LoadedModel | None = None, *, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int = 512 * 1024 * 1024,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int | None = None, device: str = "cpu", dtype: str = "float32",
-                 enable_prefix_caching: bool = True, spec_method: str | None = None,
-                 spec_k: int = 4, draft_model: str | None = None, spec_layers: int | None = None,
-                 spec_max_batch: int = 16, spec_draft_cost: float | None = None,
-                 num_threads: int = 0) -> None:
+    def __init__(self, model: str | LoadedModel | None = None, **engine_args: Any) -> None:
+        args = EngineArgs(**engine_args)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
-        if max_model_len is not None:
-            loaded = dataclasses.replace(
-                loaded, config=dataclasses.replace(loaded.config, max_model_len=max_model_len))
+        config = args.build(loaded.config, Role.COLOCATED)
         self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self.engine = EngineCore(EngineConfig(
-            model=loaded.config,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              memory_budget_bytes=kv_cache_memory, dtype=dtype,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
-            spec=SpecConfig(method=spec_method, k=spec_k, draft_model=draft_model,
-                            num_layers=spec_layers, max_batch=spec_max_batch,
-                            draft_cost=spec_draft_cost),
-            device=device, dtype=dtype, num_threads=num_threads,
-        ), loaded)
+        self.model_config = config.model
+        self.engine = EngineCore(config, loaded)
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],

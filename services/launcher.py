@@ -1,10 +1,14 @@
 """``pdserve up``: the local cluster — N prefill + M decode workers and a router, one process each.
 
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] [--model PATH]
-               [--http-port 8000] [--grpc-port 50051] [--pin-cores] ...   (each also PDSERVE_*)
+               [--http-port 8000] [--grpc-port 50051] [--pin-cores] [engine flags] ...
+               (each also PDSERVE_*)
 
 Workers start first (on free loopback ports), then the router pointed at them (or, with
-``--colocated``, the router alone with its own engine). When every service reports SERVING
+``--colocated``, the router alone with its own engine). The engine flags (``--num-kv-blocks``,
+``--spec-method``, ...: services/common/engine_flags.py) and ``--model`` go to every child:
+each worker's engine, or the colocated router's; a router in front of workers reads only
+``--model`` and ``--max-model-len`` of them. When every service reports SERVING
 on grpc.health.v1 (and the router's ``/health`` answers 200), exactly one line goes to stdout::
 
     ready http=127.0.0.1:8000 grpc=127.0.0.1:50051
@@ -39,10 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.engine_flags import add_engine_arguments, engine_args_from, engine_argv
 from services.common.grpc_server import DEFAULT_GRACE_S
 from services.common.health import SERVING, check_health
 from services.common.settings import add_env_argument
-from services.worker.settings import add_spec_arguments
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -114,34 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--colocated", action="store_true",
         help="one router process with its own engine (prefill and decode together)")
     add(parser, "--transfer", choices=["nixl", "grpc"], default="nixl", help="KV transport")
-    add(parser, "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     add(parser, "--http-port", type=int, default=8000, help="router OpenAI HTTP port")
     add(parser, "--grpc-port", type=int, default=50051, help="router gRPC port")
     add(parser, "--pin-cores", action="store_true",
         help="split this process's CPUs: prefill workers on one half, decode workers on the other")
     add(parser, "--worker-args", default="",
-        help="extra flags for every worker, e.g. '--num-kv-blocks 256'")
-    add_spec_arguments(parser)
+        help="extra flags for every worker (after the engine flags, so they win), "
+             "e.g. '--reservation-lease-ms 30000'")
     add(parser, "--log-dir", default="", help="children's logs (default: a new temp dir)")
     add(parser, "--startup-timeout-s", type=float, default=300.0, help="wait this long for SERVING")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGINT/SIGTERM, seconds in-flight requests may still run")
+    add_engine_arguments(parser)
     return parser
-
-
-def spec_argv(args: argparse.Namespace) -> list[str]:
-    """The speculative-decoding flags ``up`` forwards to decode workers."""
-    if args.spec_method is None:
-        return []
-    argv = ["--spec-method", args.spec_method, "--spec-k", str(args.spec_k),
-            "--spec-max-batch", str(args.spec_max_batch)]
-    if args.draft_model:
-        argv += ["--draft-model", args.draft_model]
-    if args.spec_layers:
-        argv += ["--spec-layers", str(args.spec_layers)]
-    if args.spec_draft_cost is not None:
-        argv += ["--spec-draft-cost", str(args.spec_draft_cost)]
-    return argv
 
 
 def free_port() -> int:
@@ -172,10 +161,13 @@ def cpu_split(num_prefill: int, num_decode: int) -> tuple[list[int], list[int]] 
 
 
 def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
-    """The worker processes and the router process to start."""
+    """The worker processes and the router process to start. Each gets ``--model`` and every
+    engine flag whose value in ``args`` differs from its default (the user's, from the command
+    line or ``PDSERVE_*``); the workers' ``--num-threads`` from the core split comes before
+    them, so one the user gave wins, and ``--worker-args`` come last."""
     workers: list[Child] = []
     extra = args.worker_args.split()
-    model = ["--model", args.model] if args.model else []
+    engine = [*(["--model", args.model] if args.model else []), *engine_argv(engine_args_from(args))]
     split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
     if not args.colocated:
         for role, count, index in (("prefill", args.prefill, 0), ("decode", args.decode, 1)):
@@ -191,11 +183,10 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *model, *cpu_args, *extra,
-                    *(spec_argv(args) if role == "decode" else [])],
+                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *engine, *extra],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
-                   "--grpc-port", str(args.grpc_port), *model]
+                   "--grpc-port", str(args.grpc_port), *engine]
     if args.colocated:
         router_argv.append("--colocated")
     else:

@@ -1,8 +1,11 @@
 """``pdserve serve router``: the OpenAI HTTP + gRPC frontend in front of a backend.
 
-    pdserve serve router --colocated [--model PATH] [--http-port 8000] [--grpc-port 50051]
+    pdserve serve router --colocated [--model PATH] [--http-port 8000] [--grpc-port 50051] [engine flags]
     pdserve serve router --prefill HOST:PORT[,...] --decode HOST:PORT[,...] [--transfer nixl|grpc]
 
+The engine flags (``--num-kv-blocks``, ``--spec-method``, ...: services/common/engine_flags.py)
+build the in-process engine of ``--colocated``; in front of workers only ``--model`` and
+``--max-model-len`` are read (the tokenizer, and the context length requests are checked against).
 Every flag can also come from its ``PDSERVE_*`` environment variable (``--http-port`` ->
 ``PDSERVE_HTTP_PORT``). Port 0 binds a free port; the ``router ready`` log line names it.
 """
@@ -14,15 +17,13 @@ import asyncio
 import logging
 import sys
 
+from services.common.engine_flags import add_engine_arguments, engine_args_from
 from services.common.settings import add_env_argument
 from services.router.app import RouterConfig, build_backend, run_router
-from services.router.colocated import EngineSizing
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve serve router", description=__doc__.split("\n")[0])
-    add_env_argument(parser, "--model", default=None,
-                     help="a .gguf file or an HF model directory (default: the embedded model)")
     add_env_argument(parser, "--host", default="127.0.0.1", help="address both servers bind")
     add_env_argument(parser, "--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free)")
     add_env_argument(parser, "--grpc-port", type=int, default=50051, help="gRPC port (0: any free)")
@@ -34,17 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="decode worker addresses, comma-separated HOST:PORT")
     add_env_argument(parser, "--transfer", choices=("nixl", "grpc"), default="nixl",
                      help="how prefill workers send KV to decode workers")
-    add_env_argument(parser, "--max-num-seqs", type=int, default=64,
-                     help="colocated: most requests in one batch")
-    add_env_argument(parser, "--max-num-batched-tokens", type=int, default=512,
-                     help="colocated: token budget of one engine step")
-    add_env_argument(parser, "--kv-cache-memory", type=int, default=512 * 1024 * 1024,
-                     help="colocated: bytes for the KV cache")
-    add_env_argument(parser, "--max-model-len", type=int, default=None,
-                     help="context length in tokens (default: the model's)")
-    add_env_argument(parser, "--device", default="cpu", help="colocated: torch device of the engine")
     add_env_argument(parser, "--drain-grace-s", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.colocated and (args.prefill or args.decode):
         parser.error("--colocated runs its own engine; drop --prefill / --decode")
@@ -66,15 +59,11 @@ def _addresses(value: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sizing = EngineSizing(max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                          device=args.device)
     config = RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           model=args.model, max_model_len=args.max_model_len,
                           drain_grace_s=args.drain_grace_s)
-    backend = build_backend(args.colocated, args.model, sizing, args.prefill, args.decode,
-                            args.transfer)
+    backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
+                            args.decode, args.transfer)
     try:
         asyncio.run(run_router(config, backend))
     except (OSError, ValueError) as error:  # a port in use, a missing or malformed model

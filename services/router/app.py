@@ -15,10 +15,11 @@ import logging
 import signal
 from dataclasses import dataclass
 
+from engine.args import EngineArgs
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
 from services.router.backend import Backend
-from services.router.colocated import ColocatedBackend, EngineSizing
+from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
 from services.router.grpc_frontend import GENERATE_SERVICE_NAME, GenerateServicer
 from services.router.openai_http import HttpServer, start_http_server
@@ -55,7 +56,8 @@ class Router:
         names = [GENERATE_SERVICE_NAME]
         if isinstance(backend, ColocatedBackend):
             servicers.append((worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-                              WorkerStatsServicer(backend.stats, "router", "colocated")))
+                              WorkerStatsServicer(backend.stats, "router", "colocated",
+                                                  backend.engine_args)))
             names.append(WORKER_SERVICE_NAME)
         self.grpc = await start_grpc_server(servicers, port=config.grpc_port, host=config.host,
                                             service_names=names, is_serving=False)
@@ -119,10 +121,11 @@ class Router:
         log.info("router stopped")
 
 
-def build_backend(colocated: bool, model: str | None, sizing: EngineSizing,
+def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
                   prefill: list[str], decode: list[str], transfer: str) -> Backend:
+    """The in-process engine built from ``engine_args`` (colocated), or the workers."""
     if colocated:
-        return ColocatedBackend(model, sizing)
+        return ColocatedBackend(model, engine_args)
     from services.router.disaggregated import DisaggregatedBackend  # written alongside, lazily
 
     return DisaggregatedBackend(prefill, decode, transfer=transfer)

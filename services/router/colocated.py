@@ -8,42 +8,33 @@ stays cheap for a router that never runs colocated.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.config import CacheConfig, EngineConfig, Role, SchedulerConfig
+from engine.args import EngineArgs
+from engine.config import Role
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
 from services.router.model_info import ModelInfo
 
 if TYPE_CHECKING:
+    from engine.core import EngineCore
     from engine.models.tokenizer import Tokenizer
     from services.common.async_engine import AsyncEngine
 
 
-@dataclass(frozen=True)
-class EngineSizing:
-    """How big the in-process engine is. ``kv_cache_memory`` is in bytes; ``num_kv_blocks``
-    wins over it when given; ``max_model_len`` None keeps the model's context length."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    kv_cache_memory: int = 512 * 1024 * 1024
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    device: str = "cpu"
-    # Requests admitted at once (running + queued) before new ones get Overloaded.
-    max_active_requests: int = 1024
+# Requests admitted at once (running + queued) before new ones get Overloaded.
+MAX_ACTIVE_REQUESTS = 1024
 
 
 class ColocatedBackend(Backend):
-    def __init__(self, model_path: str | None = None, sizing: EngineSizing = EngineSizing()) -> None:
+    def __init__(self, model_path: str | None = None, engine_args: EngineArgs = EngineArgs(),
+                 max_active_requests: int = MAX_ACTIVE_REQUESTS) -> None:
         self.model_path = model_path
-        self.sizing = sizing
+        self.engine_args = engine_args
+        self.max_active_requests = max_active_requests
         self.engine: AsyncEngine | None = None
         self.tokenizer: Tokenizer | None = None
         self.model_info: ModelInfo | None = None
@@ -56,26 +47,15 @@ class ColocatedBackend(Backend):
         self.engine = AsyncEngine()
         await self.engine.build(self._build_core)
 
-    def _build_core(self):
+    def _build_core(self) -> EngineCore:
         from engine.core import EngineCore
         from engine.models.loader import load_model
 
         loaded = load_model(self.model_path)
-        sizing = self.sizing
-        if sizing.max_model_len is not None:
-            loaded = dataclasses.replace(loaded, config=dataclasses.replace(
-                loaded.config, max_model_len=sizing.max_model_len))
-        config = EngineConfig(
-            model=loaded.config,
-            cache=CacheConfig(block_size=sizing.block_size, num_blocks=sizing.num_kv_blocks,
-                              memory_budget_bytes=sizing.kv_cache_memory),
-            scheduler=SchedulerConfig(max_num_seqs=sizing.max_num_seqs,
-                                      max_num_batched_tokens=sizing.max_num_batched_tokens,
-                                      role=Role.COLOCATED),
-            device=sizing.device)
+        config = self.engine_args.build(loaded.config, Role.COLOCATED)
         self.tokenizer = loaded.tokenizer
-        self.model_info = ModelInfo(loaded.config.name, loaded.config.vocab_size,
-                                    loaded.config.max_model_len)
+        self.model_info = ModelInfo(config.model.name, config.model.vocab_size,
+                                    config.model.max_model_len)
         return EngineCore(config, loaded)
 
     async def close(self) -> None:
@@ -89,7 +69,7 @@ class ColocatedBackend(Backend):
                        params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if self.engine is None or not self.engine.is_alive:
             raise BackendError("the colocated engine is not running")
-        if self._num_active >= self.sizing.max_active_requests:
+        if self._num_active >= self.max_active_requests:
             raise Overloaded(f"{self._num_active} requests in flight (the limit); retry later")
         self._num_active += 1
         outputs = self.engine.generate(request_id, prompt_token_ids, params)

@@ -5,7 +5,7 @@ an unknown model (as generate.proto documents), RESOURCE_EXHAUSTED when overload
 UNAVAILABLE while starting or draining, INTERNAL when the backend fails mid-request. A
 client's cancel or an expired deadline cancels the handler, which closes the Generation and
 so aborts the request in the backend. In colocated mode the router also serves
-WorkerService.GetStats (block pool and queue sizes of its engine).
+WorkerService.GetStats (block pool and queue sizes of its engine, and its engine settings).
 """
 
 from __future__ import annotations

@@ -18,15 +18,17 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.args import EngineArgs
 from engine.config import ConfigError, Role
 from engine.core import EngineCore
-from engine.stats import EngineStats
 from engine.kv_transfer.base import KVTransferError
+from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
+from services.common.engine_flags import engine_args_from
 from services.common.grpc_server import AddServicer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
 from services.worker.kv import transfer_methods
-from services.worker.settings import apply_cpu_settings, engine_config
+from services.worker.settings import apply_cpu_settings
 from services.worker.stats import WORKER_SERVICE_NAME, WorkerStatsServicer
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, O
 @dataclass
 class WorkerRuntime:
     args: argparse.Namespace
+    engine_args: EngineArgs  # what the engine was built from (GetStats reports them)
     role: Role
     worker_id: str
     model_name: str
@@ -65,16 +68,17 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
     (``AsyncEngine.build`` says why that thread) and start it. Raises STARTUP_ERRORS."""
     from engine.models.loader import load_model
 
-    apply_cpu_settings(args)
+    engine_args = engine_args_from(args)
+    apply_cpu_settings(args.cpus, engine_args.num_threads)
 
     def make_core() -> EngineCore:
-        config, loaded = engine_config(args, role, load_model(args.model))
-        return EngineCore(config, loaded)
+        loaded = load_model(args.model)
+        return EngineCore(engine_args.build(loaded.config, role), loaded)
 
     engine = AsyncEngine()
     core = await engine.build(make_core)
     worker_id = args.worker_id or f"{role.value}-{args.port}"
-    return WorkerRuntime(args, role, worker_id, core.config.model.name, engine)
+    return WorkerRuntime(args, engine_args, role, worker_id, core.config.model.name, engine)
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
@@ -87,7 +91,7 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
             return engine.stats()
 
         stats = WorkerStatsServicer(read_stats, runtime.worker_id, runtime.role.value,
-                                    transfer_methods(args.transfer))
+                                    runtime.engine_args, transfer_methods(args.transfer))
         server = await start_grpc_server(
             [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
             port=args.port, host=args.host,

@@ -1,7 +1,8 @@
 """WorkerService.GetStats: the load signal routers poll (free blocks, running, queued tokens).
 
 One servicer for every process that runs an engine (prefill and decode workers, the colocated
-router): it reads ``EngineStats`` through the callable it is given.
+router): it reads ``EngineStats`` through the callable it is given, and names the engine
+settings the process runs with (``engine_argv``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
+from engine.args import EngineArgs
 from engine.stats import EngineStats
+from services.common.engine_flags import engine_argv
 from services.common.pb import worker_pb2, worker_pb2_grpc
 
 WORKER_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -21,11 +24,12 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
     when the engine cannot be read."""
 
     def __init__(self, read_stats: Callable[[], Awaitable[EngineStats]], worker_id: str, role: str,
-                 transfer_methods: Sequence[int] = ()) -> None:
+                 engine_args: EngineArgs, transfer_methods: Sequence[int] = ()) -> None:
         self.read_stats = read_stats
         self.worker_id = worker_id
         self.role = role
         self.transfer_methods = list(transfer_methods)
+        self.engine_argv = engine_argv(engine_args)
 
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
@@ -39,4 +43,4 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             block_size=stats.block_size, num_running_requests=stats.num_running_requests,
             num_waiting_requests=stats.num_waiting_requests,
             num_outstanding_prefill_tokens=stats.num_outstanding_prefill_tokens,
-            transfer_methods=self.transfer_methods)
+            transfer_methods=self.transfer_methods, engine_argv=self.engine_argv)

@@ -1,0 +1,93 @@
+"""EngineArgs: every engine setting a user can give, flat, each with its default stated once.
+
+    args = EngineArgs(num_kv_blocks=256, spec_method="ngram")
+    core = EngineCore(args.build(loaded.config, Role.DECODE), loaded)
+
+``LLM(**kwargs)`` takes these fields as keywords, and every service derives its command-line
+flags and their ``PDSERVE_*`` twins from them (services/common/engine_flags.py): a field added
+here is a keyword, a flag and an environment variable everywhere at once, and the launcher
+forwards it to every process that runs an engine.
+
+A field's metadata holds its help text (``help``) and, where the flag needs more than the
+field's type, ``choices``, or ``flag`` for a switch that is on by default
+(``enable_prefix_caching`` -> ``--no-prefix-caching``). Defaults are read from the config
+dataclasses of engine/config.py, so each is written once. Torch-free: the router imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.config import (
+    DTYPES,
+    SPEC_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    Role,
+    SchedulerConfig,
+    SpecConfig,
+)
+
+
+def _setting(default: Any, help_text: str, **flag_options: Any) -> Any:
+    return field(default=default, metadata={"help": help_text, **flag_options})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine settings as a user gives them; ``build`` turns them into an EngineConfig.
+
+    Units: ``kv_cache_memory`` in bytes, lengths in tokens. ``num_kv_blocks`` wins over
+    ``kv_cache_memory``; ``max_model_len`` None keeps the model's context length."""
+
+    block_size: int = _setting(CacheConfig.block_size, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = _setting(CacheConfig.num_blocks,
+                                         "KV blocks (wins over --kv-cache-memory)")
+    kv_cache_memory: int = _setting(CacheConfig.memory_budget_bytes,
+                                    "KV cache bytes, when --num-kv-blocks is not given")
+    enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching,
+                                           "disable the prefix cache", flag="--no-prefix-caching")
+    max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs, "most running requests per step")
+    max_num_batched_tokens: int = _setting(SchedulerConfig.max_num_batched_tokens,
+                                           "token budget of one engine step")
+    max_model_len: int | None = _setting(None, "context length cap in tokens (default: the model's)")
+    device: str = _setting(EngineConfig.device, "torch device")
+    dtype: str = _setting(EngineConfig.dtype, "weights, activations and KV cache dtype",
+                          choices=DTYPES)
+    num_threads: int = _setting(EngineConfig.num_threads,
+                                "CPU compute threads (0: every CPU this process may run on)")
+    spec_method: str | None = _setting(SpecConfig.method, "speculative decoding proposer "
+                                       "(default: off)", choices=SPEC_METHODS)
+    spec_k: int = _setting(SpecConfig.k, "most draft tokens per step")
+    draft_model: str | None = _setting(SpecConfig.draft_model,
+                                       "draft model path for --spec-method draft")
+    spec_layers: int | None = _setting(SpecConfig.num_layers, "layers of the target used as the "
+                                       "drafter for --spec-method layer-skip")
+    spec_max_batch: int = _setting(SpecConfig.max_batch,
+                                   "no speculation at or above this many running requests")
+    spec_draft_cost: float | None = _setting(SpecConfig.draft_cost, "one draft token's cost in "
+                                             "target decode steps (default: from weight bytes)")
+
+    def build(self, model_config: ModelConfig, role: Role) -> EngineConfig:
+        """The validated configuration of an engine in ``role`` serving ``model_config``, with
+        its ``max_model_len`` replaced by ours when we set one (EngineCore serves ``config.model``).
+
+        A prefill engine stops after the first token, so it never speculates: the spec fields
+        are validated for every role but applied for COLOCATED and DECODE only.
+        Raises ConfigError naming the bad value."""
+        if self.max_model_len is not None:
+            model_config = replace(model_config, max_model_len=self.max_model_len)
+        spec = SpecConfig(method=self.spec_method, k=self.spec_k, draft_model=self.draft_model,
+                          num_layers=self.spec_layers, max_batch=self.spec_max_batch,
+                          draft_cost=self.spec_draft_cost)
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
+                              memory_budget_bytes=self.kv_cache_memory, dtype=self.dtype,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens, role=role),
+            spec=SpecConfig() if role == Role.PREFILL else spec,
+            device=self.device, dtype=self.dtype, num_threads=self.num_threads)

@@ -1,0 +1,78 @@
+"""The engine's command-line flags, derived from EngineArgs' fields, and the argv that hands
+the same settings on to another process.
+
+    add_engine_arguments(parser)                 # --model, --block-size, ..., --spec-method, ...
+    args = parser.parse_args()
+    engine_args = engine_args_from(args)         # -> EngineArgs
+    child = [..., *engine_argv(engine_args)]     # what `pdserve up` gives each engine process
+
+One flag per field, named after it (``num_kv_blocks`` -> ``--num-kv-blocks``), each with its
+``PDSERVE_*`` twin (``PDSERVE_NUM_KV_BLOCKS``, see services.common.settings); a switch that is
+on by default takes its name from the field's metadata (``--no-prefix-caching``). ``--model``
+sits next to them: every process that runs an engine loads one. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.args import EngineArgs
+from services.common.settings import add_env_argument
+
+MODEL_HELP = "GGUF file or HF model directory (default: the embedded SmolLM2-135M)"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser,
+                         environ: Mapping[str, str] | None = None) -> None:
+    """Add ``--model`` and one flag per EngineArgs field (default: the field's) to ``parser``."""
+    add_env_argument(parser, "--model", default=None, help=MODEL_HELP, environ=environ)
+    for setting, kind in _settings():
+        options: dict[str, Any] = {"default": setting.default, "help": setting.metadata["help"]}
+        if kind is bool:
+            options["action"] = "store_false" if setting.default else "store_true"
+        else:
+            options["type"] = kind
+            if "choices" in setting.metadata:
+                options["choices"] = setting.metadata["choices"]
+        add_env_argument(parser, _flag(setting), dest=setting.name, environ=environ, **options)
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of a namespace parsed by a parser with ``add_engine_arguments``."""
+    return EngineArgs(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def engine_argv(args: EngineArgs) -> list[str]:
+    """Flags that give another process ``args``: one per field that differs from its default."""
+    argv: list[str] = []
+    for setting, kind in _settings():
+        value = getattr(args, setting.name)
+        if value != setting.default:
+            argv += [_flag(setting)] if kind is bool else [_flag(setting), str(value)]
+    return argv
+
+
+def parse_engine_argv(argv: Sequence[str]) -> EngineArgs:
+    """The EngineArgs that ``engine_argv`` wrote (no environment variables read).
+    A malformed argv exits like any usage error (SystemExit 2, the reason on stderr)."""
+    parser = argparse.ArgumentParser(prog="engine flags", add_help=False)
+    add_engine_arguments(parser, environ={})
+    return engine_args_from(parser.parse_args(list(argv)))
+
+
+def _settings() -> list[tuple[dataclasses.Field, type]]:
+    """Each EngineArgs field with the type its flag parses (``int | None`` -> int)."""
+    hints = typing.get_type_hints(EngineArgs)
+    settings = []
+    for setting in dataclasses.fields(EngineArgs):
+        kinds = [t for t in typing.get_args(hints[setting.name]) if t is not type(None)]
+        settings.append((setting, kinds[0] if kinds else hints[setting.name]))
+    return settings
+
+
+def _flag(setting: dataclasses.Field) -> str:
+    return setting.metadata.get("flag", "--" + setting.name.replace("_", "-"))

@@ -1,0 +1,194 @@
+"""EngineArgs (engine/args.py) and the flags derived from it (services/common/engine_flags.py):
+one flag and one PDSERVE_* twin per field, an argv that round-trips, a build that applies every
+field, and ``pdserve up`` handing every engine flag to every process that runs an engine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+
+import pytest
+
+from engine.args import EngineArgs
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    Role,
+    SchedulerConfig,
+    SpecConfig,
+)
+from services.common.engine_flags import (
+    add_engine_arguments,
+    engine_args_from,
+    engine_argv,
+    parse_engine_argv,
+)
+from services.common.settings import env_var_name
+
+MODEL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_model_len=2048)
+# Every field away from its default (test_changed_covers_every_field keeps it so).
+CHANGED = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=100_000_000,
+                     enable_prefix_caching=False, max_num_seqs=7, max_num_batched_tokens=256,
+                     max_model_len=384, device="cuda", dtype="bfloat16", num_threads=1,
+                     spec_method="ngram", spec_k=3, draft_model="/models/draft.gguf",
+                     spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5)
+
+
+def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="test")
+    add_engine_arguments(parser, environ=environ)
+    return parser
+
+
+def _env_of(argv: list[str]) -> dict[str, str]:
+    """The PDSERVE_* variables that say what ``argv`` (flags, each with a value or a switch) says."""
+    env, i = {}, 0
+    while i < len(argv):
+        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        env[env_var_name(argv[i])] = argv[i + 1] if has_value else "1"
+        i += 2 if has_value else 1
+    return env
+
+
+def test_changed_covers_every_field():
+    assert [f.name for f in dataclasses.fields(EngineArgs)
+            if getattr(CHANGED, f.name) == f.default] == []
+
+
+def test_defaults_are_the_config_dataclasses():
+    assert EngineArgs().build(MODEL, Role.COLOCATED) == EngineConfig(
+        model=MODEL, cache=CacheConfig(), scheduler=SchedulerConfig(role=Role.COLOCATED),
+        spec=SpecConfig())
+    assert EngineArgs().kv_cache_memory == 512 * 1024 * 1024
+
+
+def test_build_applies_every_field():
+    assert CHANGED.build(MODEL, Role.DECODE) == EngineConfig(
+        model=dataclasses.replace(MODEL, max_model_len=384),
+        cache=CacheConfig(block_size=32, num_blocks=48, memory_budget_bytes=100_000_000,
+                          dtype="bfloat16", enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=256, role=Role.DECODE),
+        spec=SpecConfig(method="ngram", k=3, draft_model="/models/draft.gguf", num_layers=6,
+                        max_batch=8, draft_cost=0.5),
+        device="cuda", dtype="bfloat16", num_threads=1)
+    default = EngineArgs().build(MODEL, Role.DECODE)
+    for f in dataclasses.fields(EngineArgs):  # none of them is dropped on the way
+        one = EngineArgs(**{f.name: getattr(CHANGED, f.name)})
+        assert one.build(MODEL, Role.DECODE) != default, f.name
+
+
+def test_prefill_never_speculates_but_checks_the_spec_flags():
+    assert CHANGED.build(MODEL, Role.PREFILL).spec == SpecConfig()
+    assert CHANGED.build(MODEL, Role.COLOCATED).spec.method == "ngram"
+    with pytest.raises(ConfigError, match="needs a draft model path"):
+        EngineArgs(spec_method="draft").build(MODEL, Role.PREFILL)
+
+
+def test_every_field_is_a_flag_with_its_env_twin():
+    assert engine_args_from(_parser({}).parse_args([])) == EngineArgs()
+    argv = engine_argv(CHANGED)
+    assert engine_args_from(_parser({}).parse_args(argv)) == CHANGED
+    assert engine_args_from(_parser(_env_of(argv)).parse_args([])) == CHANGED
+    help_text = " ".join(_parser({}).format_help().split())
+    for flag in (a for a in argv if a.startswith("--")):
+        assert f"[env: {env_var_name(flag)}]" in help_text
+
+
+def test_command_line_beats_env_beats_default():
+    env = {"PDSERVE_NUM_KV_BLOCKS": "48", "PDSERVE_NO_PREFIX_CACHING": "yes"}
+    args = engine_args_from(_parser(env).parse_args(["--num-kv-blocks", "64"]))
+    assert (args.num_kv_blocks, args.enable_prefix_caching, args.spec_k) == (64, False, 4)
+    assert engine_args_from(_parser({"PDSERVE_NO_PREFIX_CACHING": "0"}).parse_args([])) == EngineArgs()
+
+
+def test_engine_argv_names_only_what_differs_from_the_defaults():
+    assert engine_argv(EngineArgs()) == []
+    assert engine_argv(EngineArgs(num_kv_blocks=64, enable_prefix_caching=False,
+                                  spec_method="ngram", spec_draft_cost=0.25)) == [
+        "--num-kv-blocks", "64", "--no-prefix-caching", "--spec-method", "ngram",
+        "--spec-draft-cost", "0.25"]
+    assert parse_engine_argv(engine_argv(CHANGED)) == CHANGED
+
+
+def test_a_bad_value_is_a_usage_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_engine_argv(["--dtype", "int8"])
+    assert exit_info.value.code == 2
+    assert "--dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_llm_rejects_an_unknown_engine_keyword():
+    from engine.llm import LLM
+
+    with pytest.raises(TypeError, match="num_kv_block"):
+        LLM(num_kv_block=4)
+
+
+# ---- pdserve up: what each child is given -------------------------------------------------
+
+UP = dataclasses.replace(CHANGED, device="cpu", draft_model=None)  # what `up` is given
+
+
+def _plan(tmp_path, monkeypatch, *up_argv: str):
+    from services import launcher
+
+    argv = engine_argv(UP)
+    k = argv.index("--spec-k")
+    del argv[k:k + 2]
+    monkeypatch.setenv("PDSERVE_SPEC_K", "3")  # one flag from the environment: forwarded too
+    args = launcher.build_parser().parse_args([*up_argv, *argv])
+    monkeypatch.delenv("PDSERVE_SPEC_K")  # the children below see only their argv
+    return launcher.plan(args, tmp_path)
+
+
+def _served(child_argv: list[str]) -> tuple[str, list[str]]:
+    """``[-m, services.cli, serve, ROLE, *flags]`` -> (ROLE, flags)."""
+    serve = child_argv.index("serve")
+    return child_argv[serve + 1], child_argv[serve + 2:]
+
+
+def test_up_gives_every_engine_flag_to_each_worker_and_the_router(tmp_path, monkeypatch):
+    from services.router.__main__ import parse_args as router_args
+    from services.worker.settings import worker_parser
+
+    workers, router = _plan(tmp_path, monkeypatch, "--transfer", "grpc", "--pin-cores")
+    assert [w.name for w in workers] == ["prefill-0", "decode-0"]
+    for worker in workers:
+        role, flags = _served(worker.argv)
+        parsed = worker_parser(Role(role), 0).parse_args(flags)
+        assert engine_args_from(parsed) == UP, role  # --num-threads 1 wins over the core split
+    role, flags = _served(router.argv)
+    assert role == "router"
+    assert engine_args_from(router_args(flags)).max_model_len == 384  # its frontend's limit
+
+
+def test_up_colocated_gives_every_engine_flag_to_the_router(tmp_path, monkeypatch):
+    from services.router.__main__ import parse_args as router_args
+
+    workers, router = _plan(tmp_path, monkeypatch, "--colocated")
+    assert workers == []
+    role, flags = _served(router.argv)
+    parsed = router_args(flags)
+    assert (role, parsed.colocated) == ("router", True)
+    assert engine_args_from(parsed) == UP
+
+
+def test_worker_args_come_after_the_engine_flags(tmp_path, monkeypatch):
+    from services.worker.settings import worker_parser
+
+    workers, _ = _plan(tmp_path, monkeypatch, "--worker-args", "--num-kv-blocks 64")
+    for worker in workers:
+        role, flags = _served(worker.argv)
+        assert worker_parser(Role(role), 0).parse_args(flags).num_kv_blocks == 64
+
+
+def test_every_command_runs_a_module_that_exists():
+    from services.cli import COMMANDS
+
+    assert ("serve", "kvstore") not in COMMANDS  # no kvstore service yet: not offered
+    assert {words: module for words, module in COMMANDS.items()
+            if importlib.util.find_spec(module) is None} == {}
