@@ -206,9 +206,9 @@ class BlockPool:
         if not self.enable_events:
             return
         last = self._events[-1] if self._events else None
-        if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved):
-            self._events[-1] = BlockRemoved(last.block_hashes + event.block_hashes)
-        elif (isinstance(event, BlockStored) and isinstance(last, BlockStored)
+        if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved) and event.tier == last.tier:
+            self._events[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes)
+        elif (isinstance(event, BlockStored) and isinstance(last, BlockStored) and event.tier == last.tier
               and event.parent_block_hash == last.block_hashes[-1] and event.block_size == last.block_size):
             self._events[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes,
                                        token_ids=last.token_ids + event.token_ids)
