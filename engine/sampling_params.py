@@ -17,6 +17,7 @@ MAX_LOGPROBS = 20  # most top-N logprobs per position (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (dividing by them overflows)
 LOGPROBS_MODES = ("processed", "raw")
+MAX_CACHE_SALT_LEN = 256  # characters of a cache_salt
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class SamplingParams:
     N of the ``logprobs_mode`` distribution ('processed': after every processor, temperature
     included; 'raw': log_softmax of the model's logits). ``bad_words`` are strings; the engine
     tokenizes them once with ``with_bad_words_tokenized`` into ``bad_words_token_ids``.
+    ``cache_salt`` (vLLM / OpenAI's field) goes into every block hash of the request, so requests
+    with different salts (tenants) never share cached KV; None shares with every unsalted request.
     """
 
     n: int = 1
@@ -56,6 +59,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logprobs_mode: str = "processed"
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise the shapes JSON and users hand us; values are checked in validate().
@@ -88,6 +92,12 @@ class SamplingParams:
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+    @property
+    def block_hash_extra_keys(self) -> tuple[str, ...]:
+        """The ``extra_keys`` of every block hash of a request with these params
+        (``engine.kv_cache.hashing``): the router and the workers must hash with the same."""
+        return () if self.cache_salt is None else (self.cache_salt,)
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -188,6 +198,13 @@ class SamplingParams:
                 _fail("bad_words_token_ids", sequence, "must not contain an empty sequence")
             for token_id in sequence:
                 _check_token_id("bad_words_token_ids", token_id, vocab_size)
+
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not self.cache_salt:
+                _fail("cache_salt", self.cache_salt, "must be a non-empty string (or None)")
+            if len(self.cache_salt) > MAX_CACHE_SALT_LEN:
+                _fail("cache_salt", f"<{len(self.cache_salt)} characters>",
+                      f"must be at most {MAX_CACHE_SALT_LEN} characters")
 
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str) or not stop:

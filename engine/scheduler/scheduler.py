@@ -386,7 +386,8 @@ class Scheduler:
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained block hashes to cover its full blocks."""
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(request.block_hashes, request.token_view, self.block_size)
+            extend_block_hashes(request.block_hashes, request.token_view, self.block_size,
+                                request.sampling_params.block_hash_extra_keys)
 
     @property
     def num_unfinished(self) -> int:

@@ -26,6 +26,7 @@ GOLDEN_EMPTY = "10d7697df26d6736864f3b0fabd8c3b76afd0fd1dbd6f1e48ea5bc7750f79e4d
 GOLDEN_EXTREMES = "e9310cbd599eb26e933716c8f8b2d67e44e58469f1e853e50484c2130fadd7c3"
 GOLDEN_NEG_KEY = "dd81fe578633860b5ae1fbf0e434ea1d4cdd615dc4d8960e692dc22049503a57"
 GOLDEN_BIG_KEY = "e87eb1a240aaab21939f61e0f1dfbfa61ca602f36ab7d648889ff6a9689477e0"
+GOLDEN_SALTED_0123 = "b4a4182abf4c11517acd7b44cd1e8d9b3eac4ea7d517bbb5b98d367563d85a6c"
 
 
 def test_golden_digests():
@@ -112,3 +113,19 @@ def test_bad_parent_raises():
         hash_block_tokens(b"short", [1])
     with pytest.raises(TypeError, match="parent"):
         hash_block_tokens(None, [1])
+
+
+def test_cache_salt_goes_into_every_block_hash():
+    from engine.sampling_params import SamplingParams
+
+    salted = SamplingParams(cache_salt="tenant-a")
+    assert salted.block_hash_extra_keys == ("tenant-a",)
+    assert SamplingParams().block_hash_extra_keys == ()
+    tokens = list(range(8))
+    plain = hash_request_blocks(tokens, 4)
+    a = hash_request_blocks(tokens, 4, salted.block_hash_extra_keys)
+    b = hash_request_blocks(tokens, 4, ("tenant-b",))
+    assert len({plain[0], a[0], b[0]}) == 3 and len({plain[1], a[1], b[1]}) == 3
+    # Pinned: the router and the workers hash a salted prompt to these bytes.
+    assert a[0].hex() == GOLDEN_SALTED_0123
+    assert a[1] == hash_block_tokens(a[0], [4, 5, 6, 7], ("tenant-a",))

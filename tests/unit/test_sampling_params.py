@@ -147,3 +147,17 @@ def test_module_is_torch_free():
     code = ("import sys, engine.sampling_params, engine.sampling.detokenizer; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("salt, match", [("", "non-empty"), (7, "non-empty"), ("x" * 257, "at most 256")])
+def test_bad_cache_salt_is_named(salt, match):
+    with pytest.raises(ValueError, match=f"cache_salt.*{match}"):
+        SamplingParams(cache_salt=salt).validate(vocab_size=100, max_model_len=64)
+
+
+def test_cache_salt_separates_prefix_cache_hits():
+    from engine.kv_cache.hashing import hash_request_blocks
+
+    tokens = list(range(32))
+    assert (hash_request_blocks(tokens, 16, SamplingParams(cache_salt="a").block_hash_extra_keys)
+            != hash_request_blocks(tokens, 16, SamplingParams(cache_salt="b").block_hash_extra_keys))
