@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import SpecDecoder
-from engine.stats import EngineStats, Sendable
+from engine.stats import EngineStats, RemoteReservation, Sendable
 
 
 class EngineCore:
@@ -130,9 +130,10 @@ class EngineCore:
     # ---- disaggregation hooks (services/prefill, services/decode) -------------------
 
     def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> list[int] | None:
+                       params: SamplingParams) -> RemoteReservation | None:
         """DECODE role: validate the request and reserve blocks for its prompt's KV, which a
-        prefill worker will write. Returns the block ids, or None when the pool is full."""
+        prefill worker will write (all but the leading blocks this worker already has cached).
+        Returns the reservation, or None when the pool is full."""
         params = self._validate(prompt_token_ids, params)
         if params.n != 1:
             raise ValueError("a disaggregated request carries one sample (n=1) per decode request")
@@ -140,9 +141,10 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                           generator)
         block_ids = self.scheduler.reserve_remote(request)
-        if block_ids is not None:
-            self._samples[request_id] = [request_id]
-        return block_ids
+        if block_ids is None:
+            return None
+        self._samples[request_id] = [request_id]
+        return RemoteReservation(block_ids, request.num_cached_tokens // self.config.cache.block_size)
 
     def finish_remote_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """DECODE role: the reserved blocks hold the prompt's KV; decode from ``first_token_id``.
