@@ -47,7 +47,7 @@ class KVStoreClient:
         self._store: KVHandshake | None = None
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def handshake(self) -> KVHandshake | None:
         """The store's handshake for our compat (once per client), or None if unreachable."""
@@ -57,7 +57,8 @@ class KVStoreClient:
             try:
                 reply = await self._stub.Handshake(handshake_to_proto(mine), timeout=self.timeout_s)
             except grpc.aio.AioRpcError as error:
-                return self._failed("Handshake", error)
+                self._failed("Handshake", error)
+                return None
             self._store = handshake_from_proto(reply)
         return self._store
 
@@ -69,8 +70,9 @@ class KVStoreClient:
             reply = await self._stub.Lookup(kvstore_pb2.KVStoreLookupRequest(
                 compat_hash=self.compat.hash, hashes=list(hashes)), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            return self._failed("Lookup", error) or 0
-        return reply.num_prefix_hits
+            self._failed("Lookup", error)
+            return 0
+        return int(reply.num_prefix_hits)
 
     async def offer_and_put(self, hashes: Sequence[BlockHash], parent_hash: BlockHash | None,
                             token_ids: Sequence[int], blocks: torch.Tensor) -> int:
@@ -98,8 +100,9 @@ class KVStoreClient:
                 token_ids=list(token_ids[start * size:]), total_bytes=packed.nbytes)
             reply = await self._stub.Put(_put_chunks(header, packed), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            return self._failed("Put", error) or 0
-        return reply.num_stored
+            self._failed("Put", error)
+            return 0
+        return int(reply.num_stored)
 
     async def get_into(self, hashes: Sequence[BlockHash], dst_blocks: Sequence[torch.Tensor]) -> int:
         """Copy the blocks' bytes into ``dst_blocks[i]`` (each one contiguous block view);
@@ -139,7 +142,8 @@ class KVStoreClient:
                 compat_hash=self.compat.hash, hashes=list(hashes), lease_ms=self.lease_ms),
                 timeout=self.timeout_s)
         except (grpc.aio.AioRpcError, KVTransferError) as error:
-            return self._failed("PrepareRead", error) or 0
+            self._failed("PrepareRead", error)
+            return 0
         state = TransferState.FAILED
         try:
             xfer = reader.start_read(name, lease.slot_ids, dst_block_ids)
@@ -154,7 +158,8 @@ class KVStoreClient:
             released = await self._stub.Release(kvstore_pb2.KVStoreReleaseRequest(
                 lease_id=lease.lease_id), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            return self._failed("Release", error) or 0
+            self._failed("Release", error)
+            return 0
         if state is not TransferState.DONE or not released.released:  # expired: may be stale
             return 0
         return len(hashes)
@@ -164,7 +169,6 @@ class KVStoreClient:
         if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
             self._store = None  # reconnect (and re-register the compat) after a restart
         log.warning("kvstore %s %s failed (a miss): %s", self.address, what, error)
-        return None
 
 
 async def _put_chunks(header: kvstore_pb2.KVStorePutHeader,

@@ -9,7 +9,8 @@ slots into local blocks; ``poll`` drives it to DONE or FAILED. Not thread-safe: 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.kv_transfer.base import KVHandshake, KVTransferError, TransferState
 

@@ -14,6 +14,10 @@ import torch
 
 from engine.kv_transfer.base import KVCompat
 
+_DTYPES = {name: dtype for name in ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn",
+                                    "float8_e5m2", "int8", "uint8")
+           if isinstance(dtype := getattr(torch, name, None), torch.dtype)}
+
 
 def block_bytes_of(compat: KVCompat) -> int:
     """Bytes of one block of ``compat``: num_layers * 2 * block_size * kv_heads * head_dim * itemsize."""
@@ -25,8 +29,8 @@ def block_bytes_of(compat: KVCompat) -> int:
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"float16"`` -> ``torch.float16``; ValueError for a name torch does not know."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _DTYPES.get(name)
+    if dtype is None:
         raise ValueError(f"unknown KV dtype {name!r}; expected a torch dtype name such as 'float16'")
     return dtype
 

@@ -18,8 +18,8 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KV_WIRE_VERSION, KVHandshake, KVRegion
 from services.common.kv_transfer_grpc import handshake_from_proto, handshake_to_proto
 from services.common.pb import kv_pb2, kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.nixl_host import NixlHost
 from services.kvstore.leases import Lease
+from services.kvstore.nixl_host import NixlHost
 from services.kvstore.store import BlockStore, MissingBlocksError
 
 KVSTORE_SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
@@ -150,7 +150,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
         r = KVRegion.of(region.tensor)
         return kvstore_pb2.KVStorePrepareReadReply(
             lease_id=lease.lease_id, slot_ids=lease.slot_ids,
-            expires_in_ms=int((request.lease_ms or self.store.config.default_lease_s * 1000)),
+            expires_in_ms=int(request.lease_ms or self.store.config.default_lease_s * 1000),
             agent_name=self.nixl.agent_name(request.compat_hash),
             region=kv_pb2.KVRegion(mem_type=kv_pb2.MEMORY_TYPE_DRAM, base_addr=r.base_addr,
                                    device_id=r.device_id, num_blocks=r.num_blocks,

@@ -14,7 +14,8 @@ Capacity: the bytes of all stored blocks never exceed ``capacity_bytes``. When a
 take usage above ``high_watermark * capacity_bytes``, the least recently used unpinned blocks
 are evicted until usage plus the incoming block is at most ``(high_watermark - evict_fraction)
 * capacity_bytes`` (Mooncake: 5 % at 95 %). A block named by a live lease is never evicted; if
-only pinned blocks remain, the put stores what fits and reports the rest as not stored.
+only pinned blocks (or blocks of the chain being put) remain, the put stores what fits and
+reports the rest as not stored.
 
 Recency: ``put`` and ``acquire`` make a block most recently used; ``lookup`` and ``offer`` do not.
 Events for the prefix index (``take_events``) are BlockStored / BlockRemoved with tier KVSTORE.
@@ -22,58 +23,23 @@ Events for the prefix index (``take_events``) are BlockStored / BlockRemoved wit
 
 from __future__ import annotations
 
+__all__ = ["BlockStore", "KVStoreConfig", "MissingBlocksError", "StoreStats", "UnknownCompatError"]
+
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Tier
 from engine.kv_cache.hashing import HASH_NUM_BYTES, BlockHash
 from engine.kv_transfer.base import KVCompat
+from services.kvstore.config import (
+    KVStoreConfig,
+    MissingBlocksError,
+    StoreStats,
+    UnknownCompatError,
+)
 from services.kvstore.leases import BlockKey, Lease, LeaseTable
 from services.kvstore.region import BlockRegion, block_bytes_of
-
-
-class UnknownCompatError(ValueError):
-    """A request names a compat hash the store was never registered with."""
-
-
-class MissingBlocksError(LookupError):
-    """``acquire`` asked for blocks the store does not hold (never stored, or evicted)."""
-
-
-@dataclass(frozen=True)
-class KVStoreConfig:
-    capacity_bytes: int
-    high_watermark: float = 0.95
-    evict_fraction: float = 0.05
-    default_lease_s: float = 5.0
-    max_lease_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
-        if not 0 < self.evict_fraction <= self.high_watermark <= 1:
-            raise ValueError("need 0 < evict_fraction <= high_watermark <= 1, got "
-                             f"{self.evict_fraction} and {self.high_watermark}")
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Counters since start (blocks and bytes) and the current occupancy."""
-
-    num_hits: int  # blocks found by lookup (the requested prefix) and acquired
-    num_misses: int
-    num_stored: int
-    num_evicted: int
-    bytes_in: int
-    bytes_out: int  # bytes of acquired blocks (read over gRPC or NIXL)
-    num_leases: int  # live now
-    num_leases_granted: int
-    num_leases_expired: int
-    num_blocks: int
-    used_bytes: int
-    capacity_bytes: int
 
 
 class BlockStore:
@@ -130,7 +96,7 @@ class BlockStore:
 
     # -------------------------------------------------------------- writes
     def put(self, compat_hash: str, block_hashes: Sequence[BlockHash], parent_hash: BlockHash | None,
-            token_ids: Sequence[int], data: memoryview | bytes) -> int:
+            token_ids: Sequence[int], data: bytes | bytearray | memoryview) -> int:
         """Store the chain ``block_hashes`` (block i = ``data[i*block_bytes:(i+1)*block_bytes]``,
         tokens ``token_ids[i*block_size:(i+1)*block_size]``), skipping blocks already held.
 
@@ -150,6 +116,7 @@ class BlockStore:
                              f"got {len(token_ids)}")
         self._leases.expire(self._clock())
         view = memoryview(data).cast("B")
+        chain = {(compat_hash, h) for h in block_hashes}  # never evicted to make room for itself
         num_stored, run_start = 0, -1
         for i, block_hash in enumerate(block_hashes):
             key = (compat_hash, block_hash)
@@ -158,7 +125,7 @@ class BlockStore:
                 run_start = self._flush_run(compat_hash, block_hashes, parent_hash, token_ids,
                                             block_size, run_start, i)
                 continue
-            slot_id = self._make_room(region)
+            slot_id = self._make_room(region, chain)
             if slot_id is None:
                 break
             region.write(slot_id, view[i * region.block_bytes:(i + 1) * region.block_bytes])
@@ -185,26 +152,29 @@ class BlockStore:
                 block_size=block_size, tier=Tier.KVSTORE))
         return -1
 
-    def _make_room(self, region: BlockRegion) -> int | None:
-        """A free slot of ``region`` after evicting per the watermark policy, or None."""
+    def _make_room(self, region: BlockRegion, keep: set[BlockKey]) -> int | None:
+        """A free slot of ``region`` after evicting per the watermark policy (never a block
+        in ``keep``), or None."""
         cap = self.config.capacity_bytes
         if self.used_bytes + region.block_bytes > self.config.high_watermark * cap:
             target = (self.config.high_watermark - self.config.evict_fraction) * cap
-            self._evict(lambda: self.used_bytes + region.block_bytes <= target)
+            self._evict(lambda: self.used_bytes + region.block_bytes <= target, keep)
         if self.used_bytes + region.block_bytes > cap:
             return None
         slot_id = region.allocate()
         if slot_id is None:  # this compat's slots are all used (other compats share the bytes)
-            self._evict(lambda: region.num_free > 0, only=region.compat.hash)
+            self._evict(lambda: region.num_free > 0, keep, only=region.compat.hash)
             slot_id = region.allocate()
         return slot_id
 
-    def _evict(self, is_enough: Callable[[], bool], only: str | None = None) -> None:
+    def _evict(self, is_enough: Callable[[], bool], keep: set[BlockKey],
+               only: str | None = None) -> None:
         removed: dict[str, list[BlockHash]] = {}
         for key in list(self._slots):
             if is_enough():
                 break
-            if self._leases.is_pinned(key) or (only is not None and key[0] != only):
+            if (self._leases.is_pinned(key) or key in keep
+                    or (only is not None and key[0] != only)):
                 continue
             region = self._regions[key[0]]
             region.free(self._slots.pop(key))
@@ -235,7 +205,6 @@ class BlockStore:
                                      f"{block_hashes[missing[0]].hex()[:16]})")
         for h in block_hashes:
             self._slots.move_to_end((compat_hash, h))
-        self._hits += len(block_hashes)
         self._bytes_out += len(block_hashes) * region.block_bytes
         slot_ids = tuple(self._slots[(compat_hash, h)] for h in block_hashes)
         return self._leases.grant(compat_hash, tuple(block_hashes), slot_ids, now + lease_s)

@@ -104,7 +104,7 @@ def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(store: Worke
             lying = handshake_to_proto(KVHandshake(compat=COMPAT, agent_name="t",
                                                    region=KVRegion("DRAM", 0, 0, 0, 1)))
             lying.compat_hash = "0" * 64
-            good = dict(compat_hash=COMPAT.hash, token_ids=tokens(1), total_bytes=BLOCK_BYTES)
+            good = {"compat_hash": COMPAT.hash, "token_ids": tokens(1), "total_bytes": BLOCK_BYTES}
             calls = {
                 "handshake hash": kv.Handshake(lying, timeout=5),
                 "wrong compat": kv.Lookup(kvstore_pb2.KVStoreLookupRequest(
