@@ -166,8 +166,9 @@ class KVStoreClient:
 
     def _failed(self, what: str, error: Exception) -> None:
         self.num_failures += 1
-        if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
-            self._store = None  # reconnect (and re-register the compat) after a restart
+        if not (isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.NOT_FOUND):
+            self._store = None  # Handshake again next time: a restarted store forgot our compat
         log.warning("kvstore %s %s failed (a miss): %s", self.address, what, error)
 
 
