@@ -43,10 +43,18 @@ def _reader_main(conn, address: str) -> None:
     asyncio.run(main())
 
 
+# cma (cross-memory attach) reads need nothing from the store; over tcp the store's UCX must
+# make progress, which the server drives only while a NIXL read lease is live.
+UCX_CASES = {"default-ucx": {}, "tcp-ucx": {"UCX_TLS": "tcp"}}
+
+
 @pytest.mark.slow  # a store and a reader process, each importing torch and NIXL: ~10 s
-def test_nixl_read_from_the_store_is_byte_identical(tmp_path):
+@pytest.mark.parametrize("case", sorted(UCX_CASES))
+def test_nixl_read_from_the_store_is_byte_identical(tmp_path, monkeypatch, case):
     if nixl_import_error() is not None:
         pytest.skip(f"NIXL is not importable here: {nixl_import_error()}")
+    for name, value in UCX_CASES[case].items():
+        monkeypatch.setenv(name, value)  # the store and the spawned reader inherit it
     store = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="nixl")
     reader = None
     try:
