@@ -119,6 +119,9 @@ class KVStoreClient:
                 timeout=self.timeout_s)
             async for chunk in stream:
                 data = np.frombuffer(chunk.data, dtype=np.uint8)
+                if offset + data.size > len(dst) * self.block_bytes:
+                    self._failed("Get", RuntimeError("the store sent more bytes than asked for"))
+                    break
                 while data.size:  # chunks need not align with blocks
                     i, within = divmod(offset, self.block_bytes)
                     take = min(self.block_bytes - within, data.size)

@@ -115,6 +115,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
         except ValueError as error:
             return str(error)
         expected = len(header.hashes) * region.block_bytes
+        if expected > self.store.config.capacity_bytes:
+            return (f"{len(header.hashes)} blocks ({expected} bytes) exceed the store's capacity "
+                    f"of {self.store.config.capacity_bytes} bytes; put fewer at a time")
         if header.total_bytes != expected:
             return (f"{len(header.hashes)} blocks of {region.block_bytes} bytes are {expected} "
                     f"bytes, the header says total_bytes={header.total_bytes}")

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from engine.kv_cache.events import BlockRemoved, BlockStored, KVCacheEvent, Tier
 from engine.kv_cache.hashing import HASH_NUM_BYTES, BlockHash
-from engine.kv_transfer.base import KVCompat
+from engine.kv_transfer.base import KV_LAYOUT_VERSION, KVCompat
 from services.kvstore.config import (
     KVStoreConfig,
     MissingBlocksError,
@@ -59,6 +59,7 @@ class BlockStore:
         """The region of ``compat`` (allocated on first call: capacity / block bytes slots)."""
         region = self._regions.get(compat.hash)
         if region is None:
+            check_compat(compat)
             num_slots = self.config.capacity_bytes // block_bytes_of(compat)
             if num_slots < 1:
                 raise ValueError(f"a block of {compat} is {block_bytes_of(compat)} bytes, more than "
@@ -243,6 +244,17 @@ class BlockStore:
             held = sorted(s for (c, _), s in self._slots.items() if c == compat_hash)
             assert len(set(held)) == len(held), f"slot held twice in {compat_hash[:8]}: {held}"
             assert len(held) + region.num_free == region.num_slots, (len(held), region.num_free)
+
+
+def check_compat(compat: KVCompat) -> None:
+    """ValueError naming the field unless every dimension is >= 1 and the layout is ours."""
+    bad = [f"{name}={getattr(compat, name)}" for name in
+           ("block_size", "num_layers", "num_kv_heads", "head_dim") if getattr(compat, name) < 1]
+    if bad:
+        raise ValueError(f"KV compat dimensions must be >= 1, got {', '.join(bad)}")
+    if compat.layout_version != KV_LAYOUT_VERSION:
+        raise ValueError(f"KV layout_version {compat.layout_version} is not supported "
+                         f"(this kvstore stores layout {KV_LAYOUT_VERSION})")
 
 
 def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:

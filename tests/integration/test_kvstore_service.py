@@ -104,9 +104,12 @@ def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(store: Worke
             lying = handshake_to_proto(KVHandshake(compat=COMPAT, agent_name="t",
                                                    region=KVRegion("DRAM", 0, 0, 0, 1)))
             lying.compat_hash = "0" * 64
+            flat = handshake_to_proto(KVHandshake(compat=KVCompat("m", "float32", 0, 1, 1, 1),
+                                                  agent_name="t", region=KVRegion("DRAM", 0, 0, 0, 1)))
             good = {"compat_hash": COMPAT.hash, "token_ids": tokens(1), "total_bytes": BLOCK_BYTES}
             calls = {
                 "handshake hash": kv.Handshake(lying, timeout=5),
+                "zero block size": kv.Handshake(flat, timeout=5),
                 "wrong compat": kv.Lookup(kvstore_pb2.KVStoreLookupRequest(
                     compat_hash="ab" * 32, hashes=[h(1)]), timeout=5),
                 "short hash": kv.Offer(kvstore_pb2.KVStoreOfferRequest(
@@ -122,6 +125,9 @@ def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(store: Worke
                 "token count": kv.Put(_chunks(kvstore_pb2.KVStorePutHeader(
                     hashes=[h(503)], **{**good, "token_ids": [1, 2]}), b"x" * BLOCK_BYTES), timeout=5),
                 "no header": kv.Put(_chunks(None, b"x"), timeout=5),
+                "over capacity": kv.Put(_chunks(kvstore_pb2.KVStorePutHeader(
+                    hashes=[h(i) for i in range(1000)], **{**good, "total_bytes": 1000 * BLOCK_BYTES}),
+                    b""), timeout=5),
                 "no nixl": kv.PrepareRead(kvstore_pb2.KVStoreReadRequest(
                     compat_hash=COMPAT.hash, hashes=[h(500)]), timeout=5),
             }
@@ -139,6 +145,7 @@ def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(store: Worke
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     expected = {
         "handshake hash": (invalid, "is not the hash of the compat sent"),
+        "zero block size": (invalid, "Handshake: KV compat dimensions must be >= 1, got block_size=0"),
         "wrong compat": (invalid, "Lookup: unknown compat_hash 'abababababababab'"),
         "short hash": (invalid, "block hashes must be 32 bytes; entries [0] are not"),
         "unknown block": (grpc.StatusCode.NOT_FOUND, "Get: 1 of 2 blocks are not in the kvstore"),
@@ -147,6 +154,7 @@ def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(store: Worke
         "short payload": (invalid, "got 100 bytes, the header says 131072"),
         "token count": (invalid, "need 16 token ids, got 2"),
         "no header": (invalid, "the first chunk must carry the header"),
+        "over capacity": (invalid, "exceed the store's capacity of 53687091 bytes"),
         "no nixl": (grpc.StatusCode.FAILED_PRECONDITION, "runs without NIXL; use Get"),
     }
     for name, (code, text) in expected.items():
