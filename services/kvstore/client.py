@@ -81,6 +81,13 @@ class KVStoreClient:
         ``blocks``: [len(hashes), num_layers, 2, block_size, num_kv_heads, head_dim] in the
         compat's dtype (e.g. ``kv_cache[block_ids]``); ``token_ids``: len(hashes) * block_size.
         """
+        n, size = len(hashes), self.compat.block_size
+        if tuple(blocks.shape) != (n, *self.compat.block_shape) or blocks.nbytes != n * self.block_bytes:
+            raise ValueError(f"blocks must be [{n}, *{self.compat.block_shape}] in "
+                             f"{self.compat.dtype}, got {tuple(blocks.shape)} {blocks.dtype}")
+        if len(token_ids) != n * size:
+            raise ValueError(f"{n} blocks of {size} tokens need {n * size} token ids, "
+                             f"got {len(token_ids)}")
         if not hashes or await self.handshake() is None:
             return 0
         try:
@@ -93,7 +100,6 @@ class KVStoreClient:
             # The store's chain must be contiguous: send from the first missing block on.
             start = keep[0]
             packed = blocks[start:].contiguous().view(torch.uint8).numpy().reshape(-1)
-            size = self.compat.block_size
             header = kvstore_pb2.KVStorePutHeader(
                 compat_hash=self.compat.hash, hashes=list(hashes[start:]),
                 parent_hash=(hashes[start - 1] if start else parent_hash) or b"",
@@ -135,7 +141,8 @@ class KVStoreClient:
     async def read_into(self, reader: NixlBlockReader, hashes: Sequence[BlockHash],
                         dst_block_ids: Sequence[int]) -> int:
         """NIXL READ of the blocks into the reader's registered cache at ``dst_block_ids``;
-        returns len(hashes) when every byte landed under a live lease, else 0."""
+        returns len(hashes) when every byte landed under a live lease, else 0 (the blocks'
+        contents are then undefined). The caller owns ``dst_block_ids`` throughout."""
         store = await self.handshake()
         if store is None or not hashes or len(hashes) != len(dst_block_ids):
             return 0
@@ -155,6 +162,9 @@ class KVStoreClient:
             while state is TransferState.IN_PROGRESS and time.monotonic() < deadline:
                 await asyncio.sleep(0.0005)
                 state = reader.poll(xfer)
+            if state is TransferState.IN_PROGRESS:
+                reader.abandon(xfer)
+                self._failed("NIXL READ", TimeoutError("no completion before the deadline"))
         except KVTransferError as error:
             self._failed("NIXL READ", error)
         try:

@@ -85,5 +85,10 @@ class NixlBlockReader:
             xfer.release()
         return TransferState.DONE if state == "DONE" else TransferState.FAILED
 
+    def abandon(self, xfer: Any) -> None:
+        """Give up on a READ still in progress (its destination blocks are then undefined)."""
+        with contextlib.suppress(Exception):
+            xfer.release()
+
     def close(self) -> None:
         self._agent.close()

@@ -250,3 +250,20 @@ def test_a_lease_holds_eviction_and_an_expired_lease_permits_it(tmp_path):
         assert time.monotonic() - started < 20
     finally:
         stop_all([process])
+
+
+def test_client_rejects_a_caller_bug_with_a_clear_error_and_sends_nothing(store: WorkerProcess):
+    async def main() -> None:
+        client = KVStoreClient(store.address, COMPAT)
+        try:
+            with pytest.raises(ValueError, match=r"blocks must be \[2, \*\(4, 2, 16, 4, 64\)\]"):
+                await client.offer_and_put([h(7000), h(7001)], None, tokens(2), random_blocks(1))
+            with pytest.raises(ValueError, match="need 32 token ids, got 3"):
+                await client.offer_and_put([h(7000), h(7001)], None, [1, 2, 3], random_blocks(2))
+            with pytest.raises(ValueError, match="one block of 131072 bytes"):
+                await client.get_into([h(7000)], [torch.zeros(3)])
+            assert await client.lookup([h(7000)]) == 0
+        finally:
+            await client.close()
+
+    asyncio.run(main())
