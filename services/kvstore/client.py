@@ -24,6 +24,7 @@ import torch
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion, KVTransferError, TransferState
+from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.kv_transfer_grpc import handshake_from_proto, handshake_to_proto
 from services.common.pb import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.nixl_reader import NixlBlockReader
@@ -31,6 +32,7 @@ from services.kvstore.region import block_bytes_of
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 * 1024 * 1024
+RECONNECT_BACKOFF_MAX_MS = 1000
 
 
 class KVStoreClient:
@@ -42,7 +44,14 @@ class KVStoreClient:
         self.lease_ms = lease_ms
         self.block_bytes = block_bytes_of(compat)
         self.num_failures = 0
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),  # 4 MiB chunks + framing
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # A restarted store is used again within a second (gRPC's default backoff grows
+            # to 2 minutes, all of it misses).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS)])
         self._stub = kvstore_pb2_grpc.KVStoreServiceStub(self._channel)
         self._store: KVHandshake | None = None
 

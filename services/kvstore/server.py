@@ -133,10 +133,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
             offset, pending = 0, bytearray()
             for i, slot_id in enumerate(lease.slot_ids):
                 pending += region.read(slot_id)
-                if len(pending) >= CHUNK_BYTES or i == len(lease.slot_ids) - 1:
-                    yield kvstore_pb2.KVStoreGetChunk(offset=offset, data=bytes(pending))
-                    offset += len(pending)
-                    pending = bytearray()
+                is_last = i == len(lease.slot_ids) - 1
+                while len(pending) >= CHUNK_BYTES or (is_last and pending):  # blocks span chunks
+                    data = bytes(pending[:CHUNK_BYTES])
+                    del pending[:CHUNK_BYTES]
+                    yield kvstore_pb2.KVStoreGetChunk(offset=offset, data=data)
+                    offset += len(data)
         finally:
             self.store.release(lease.lease_id)
 

@@ -17,12 +17,13 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion
 from services.common.kv_transfer_grpc import handshake_to_proto
 from services.common.pb import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.client import KVStoreClient
+from services.kvstore.client import RECONNECT_BACKOFF_MAX_MS, KVStoreClient
 from tests.integration.cluster_fixtures import WorkerProcess, start_kvstore, stop_all, wait_serving
 
-# [num_layers=4, 2, block_size=16, kv_heads=4, head_dim=64] float32: 128 KiB per block
-COMPAT = KVCompat("tiny-test-model", "float32", 16, 4, 4, 64)
-BLOCK_BYTES = 128 * 1024
+# [num_layers=4, 2, block_size=16, kv_heads=3, head_dim=64] float32: 96 KiB per block, so
+# 4 MiB chunks end mid-block
+COMPAT = KVCompat("tiny-test-model", "float32", 16, 4, 3, 64)
+BLOCK_BYTES = 96 * 1024
 # 512-byte blocks for the capacity tests
 SMALL = KVCompat("tiny-test-model", "float32", 4, 2, 1, 8)
 GIB = 1 << 30
@@ -61,28 +62,28 @@ def stub(channel: grpc.aio.Channel) -> kvstore_pb2_grpc.KVStoreServiceStub:
 
 
 def test_put_lookup_get_round_trip_is_byte_identical(store: WorkerProcess):
-    blocks = random_blocks(40)  # 5 MiB: more than one 4 MiB chunk each way
+    blocks = random_blocks(60)  # 5.6 MiB: more than one 4 MiB chunk each way
 
     async def main() -> tuple[int, int, int, int, torch.Tensor]:
         client = KVStoreClient(store.address, COMPAT)
         try:
-            assert await client.lookup([h(i) for i in range(40)]) == 0
-            stored = await client.offer_and_put([h(i) for i in range(40)], None, tokens(40), blocks)
-            again = await client.offer_and_put([h(i) for i in range(40)], None, tokens(40), blocks)
+            assert await client.lookup([h(i) for i in range(60)]) == 0
+            stored = await client.offer_and_put([h(i) for i in range(60)], None, tokens(60), blocks)
+            again = await client.offer_and_put([h(i) for i in range(60)], None, tokens(60), blocks)
             num_cached = await client.lookup([h(i) for i in (0, 1, 2, 99, 3)])
-            dst = torch.zeros((41, *COMPAT.block_shape))
-            order = [7, 39, 0, 12]
-            landed = await client.get_into([h(i) for i in order], [dst[i + 1] for i in range(4)])
-            return stored, again, num_cached, landed, dst[1:5]
+            dst = torch.zeros((61, *COMPAT.block_shape))
+            order = [7, 59, 0, 12, *range(16, 60)]  # 48 blocks: 4.5 MiB
+            landed = await client.get_into([h(i) for i in order], [dst[i + 1] for i in range(48)])
+            return stored, again, num_cached, landed, dst[1:49]
         finally:
             await client.close()
 
     stored, again, num_cached, landed, got = asyncio.run(main())
-    assert (stored, again, num_cached, landed) == (40, 0, 3, 4)
-    assert raw(got) == raw(blocks[[7, 39, 0, 12]])
+    assert (stored, again, num_cached, landed) == (60, 0, 3, 48)
+    assert raw(got) == raw(blocks[[7, 59, 0, 12, *range(16, 60)]])
     stats = _stats(store.address)
-    assert stats.num_blocks >= 40 and stats.num_leases == 0 and not stats.has_nixl
-    assert stats.bytes_out >= 4 * BLOCK_BYTES
+    assert stats.num_blocks >= 60 and stats.num_leases == 0 and not stats.has_nixl
+    assert stats.bytes_out >= 48 * BLOCK_BYTES
 
 
 def _stats(address: str) -> kvstore_pb2.KVStoreStats:
@@ -151,7 +152,7 @@ def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(store: Worke
         "unknown block": (grpc.StatusCode.NOT_FOUND, "Get: 1 of 2 blocks are not in the kvstore"),
         "long lease": (invalid, "lease must be in (0, 60.0] s"),
         "size mismatch": (invalid, "the header says total_bytes=100"),
-        "short payload": (invalid, "got 100 bytes, the header says 131072"),
+        "short payload": (invalid, "got 100 bytes, the header says 98304"),
         "token count": (invalid, "need 16 token ids, got 2"),
         "no header": (invalid, "the first chunk must carry the header"),
         "over capacity": (invalid, "exceed the store's capacity of 53687091 bytes"),
@@ -196,6 +197,7 @@ def test_killed_store_mid_get_and_restart_are_misses_not_errors(tmp_path):
             await asyncio.to_thread(process.proc.wait, 10)
             process = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="grpc", port=port)
             await asyncio.to_thread(wait_serving, [process], 60)
+            await asyncio.sleep(RECONNECT_BACKOFF_MAX_MS / 1000 + 0.2)  # the channel's backoff
             # the same client: it handshakes again; the restarted store is empty: misses
             results += [await client.lookup(hashes), await client.get_into(hashes, list(dst)),
                         await client.offer_and_put(hashes[:2], None, tokens(2), blocks[:2]),
@@ -256,11 +258,11 @@ def test_client_rejects_a_caller_bug_with_a_clear_error_and_sends_nothing(store:
     async def main() -> None:
         client = KVStoreClient(store.address, COMPAT)
         try:
-            with pytest.raises(ValueError, match=r"blocks must be \[2, \*\(4, 2, 16, 4, 64\)\]"):
+            with pytest.raises(ValueError, match=r"blocks must be \[2, \*\(4, 2, 16, 3, 64\)\]"):
                 await client.offer_and_put([h(7000), h(7001)], None, tokens(2), random_blocks(1))
             with pytest.raises(ValueError, match="need 32 token ids, got 3"):
                 await client.offer_and_put([h(7000), h(7001)], None, [1, 2, 3], random_blocks(2))
-            with pytest.raises(ValueError, match="one block of 131072 bytes"):
+            with pytest.raises(ValueError, match="one block of 98304 bytes"):
                 await client.get_into([h(7000)], [torch.zeros(3)])
             assert await client.lookup([h(7000)]) == 0
         finally:
