@@ -101,8 +101,9 @@ class BlockStore:
         """Store the chain ``block_hashes`` (block i = ``data[i*block_bytes:(i+1)*block_bytes]``,
         tokens ``token_ids[i*block_size:(i+1)*block_size]``), skipping blocks already held.
 
-        Returns the number of blocks newly stored; fewer than the new ones only when every
-        remaining block is pinned by a lease. ValueError for sizes that do not match.
+        Returns the number of blocks newly stored; fewer than the new ones only when no room can
+        be made (every other block is pinned by a lease or belongs to this chain): the chain is
+        then stored up to that block. ValueError for sizes that do not match.
         """
         region = self.region(compat_hash)
         _check_hashes(block_hashes)
