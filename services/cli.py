@@ -1,7 +1,7 @@
 """The ``pdserve`` command line: each subcommand's flags live in the module that runs it.
 
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
-    pdserve serve router|prefill|decode [...]
+    pdserve serve router|prefill|decode|kvstore [...]
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
     pdserve bench engine|kernels|serve|spec|kv|disagg [...]  (loadtests/bench_*.py)
 
@@ -18,6 +18,7 @@ COMMANDS = {
     ("serve", "router"): "services.router.__main__",
     ("serve", "prefill"): "services.prefill.__main__",
     ("serve", "decode"): "services.decode.__main__",
+    ("serve", "kvstore"): "services.kvstore.__main__",
     ("generate",): "services.router.client",
     ("bench", "engine"): "loadtests.bench_engine",
     ("bench", "kernels"): "loadtests.bench_kernels",

@@ -1,13 +1,15 @@
-"""``pdserve up``: the local cluster — N prefill + M decode workers and a router, one process each.
+"""``pdserve up``: the local cluster — N prefill + M decode workers, the node's kvstore and a
+router, one process each.
 
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] [--model PATH]
-               [--http-port 8000] [--grpc-port 50051] [--pin-cores] [engine flags] ...
+               [--http-port 8000] [--grpc-port 50051] [--pin-cores] [--kvstore-gib 1.0]
+               [engine flags] ...
                (each also PDSERVE_*)
 
-Workers start first (on free loopback ports), then the router pointed at them (or, with
-``--colocated``, the router alone with its own engine). The engine flags (``--num-kv-blocks``,
-``--spec-method``, ...: services/common/engine_flags.py) and ``--model`` go to every child:
-each worker's engine, or the colocated router's; a router in front of workers reads only
+Workers and the kvstore start first (on free loopback ports), then the router pointed at the
+workers (or, with ``--colocated``, the router alone with its own engine). The engine flags
+(``--num-kv-blocks``, ``--spec-method``, ...: services/common/engine_flags.py) and ``--model``
+go to every engine child: each worker's engine, or the colocated router's; a router in front of workers reads only
 ``--model`` and ``--max-model-len`` of them. When every service reports SERVING
 on grpc.health.v1 (and the router's ``/health`` answers 200), exactly one line goes to stdout::
 
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--worker-args", default="",
         help="extra flags for every worker (after the engine flags, so they win), "
              "e.g. '--reservation-lease-ms 30000'")
+    add(parser, "--kvstore-gib", type=float, default=1.0,
+        help="capacity of the node's kvstore (one `pdserve serve kvstore` child); 0: none")
     add(parser, "--log-dir", default="", help="children's logs (default: a new temp dir)")
     add(parser, "--startup-timeout-s", type=float, default=300.0, help="wait this long for SERVING")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
@@ -198,6 +202,17 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     return workers, router
 
 
+def plan_kvstore(args: argparse.Namespace, log_dir: Path) -> Child | None:
+    """The node's kvstore process (one per ``up``), or None with ``--kvstore-gib 0``."""
+    if args.kvstore_gib <= 0:
+        return None
+    port = free_port()
+    return Child("kvstore", ["-m", "services.cli", "serve", "kvstore", "--host", HOST,
+                             "--port", str(port), "--kvstore-gib", str(args.kvstore_gib),
+                             "--transfer", args.transfer, "--drain-grace-s", str(args.drain_grace_s)],
+                 f"{HOST}:{port}", log_dir / "kvstore.log")
+
+
 async def wait_serving(child: Child, deadline: float, http_port: int | None = None) -> None:
     """Until ``child`` is SERVING (and its HTTP /health is 200); ChildFailed if it exits."""
     last = "no answer"
@@ -258,6 +273,10 @@ async def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve up: logs in {log_dir}", file=sys.stderr, flush=True)
     workers, router = plan(args, log_dir)
+    kvstore = plan_kvstore(args, log_dir)
+    if kvstore is not None:
+        print(f"pdserve up: kvstore at {kvstore.grpc_address}", file=sys.stderr, flush=True)
+        workers = [kvstore, *workers]
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -316,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         build_parser().error("--prefill and --decode must be >= 1")
+    if args.kvstore_gib < 0:
+        build_parser().error(f"--kvstore-gib must be >= 0 (0: no kvstore), got {args.kvstore_gib}")
     sys.exit(asyncio.run(run(args)))
 
 

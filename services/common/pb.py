@@ -17,9 +17,11 @@ from services.common.gen.pdserve.v1 import (  # noqa: E402
     generate_pb2_grpc,
     kv_pb2,
     kv_pb2_grpc,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
 
-__all__ = ["generate_pb2", "generate_pb2_grpc", "kv_pb2", "kv_pb2_grpc",
+__all__ = ["generate_pb2", "generate_pb2_grpc", "kv_pb2", "kv_pb2_grpc", "kvstore_pb2", "kvstore_pb2_grpc",
            "worker_pb2", "worker_pb2_grpc"]

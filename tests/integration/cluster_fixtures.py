@@ -80,6 +80,20 @@ def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl") -
     return WorkerProcess(role, f"127.0.0.1:{port}", log_path, proc, argv)
 
 
+def start_kvstore(log_dir: Path, *args: str, transfer: str = "nixl",
+                  port: int | None = None) -> WorkerProcess:
+    """``pdserve serve kvstore`` on a free (or the given) port; ``wait_serving`` it next."""
+    port = port or free_port()
+    log_path = log_dir / f"kvstore-{port}.log"
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "services.cli", "serve", "kvstore", "--port", str(port),
+            "--transfer", transfer, "--drain-grace-s", "2", *args]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+    return WorkerProcess("kvstore", f"127.0.0.1:{port}", log_path, proc, argv)
+
+
 def start_router(log_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
                  transfer: str) -> WorkerProcess:
     """``pdserve serve router`` over the given workers; its ``address`` is the gRPC one."""

@@ -1,10 +1,10 @@
 """Nothing spins at rest: every service, idle, uses under 2% of one core.
 
 Real processes, started the way ``pdserve up`` starts them: a router with one prefill and one
-decode worker for each transfer (NIXL over UCX, and gRPC), and a colocated router with its own
-engine (on two threads, so its OpenMP pool exists). Once all are SERVING and have settled, each
-process's CPU time (user + system, every thread) is read from ``/proc/<pid>/stat`` over
-``WINDOW_S`` seconds. A busy-polling thread (NIXL's progress thread, an asyncio loop that
+decode worker for each transfer (NIXL over UCX, and gRPC), a kvstore (with NIXL), and a
+colocated router with its own engine (on two threads, so its OpenMP pool exists). Once all
+are SERVING and have settled, each process's CPU time (user + system, every thread) is read
+from ``/proc/<pid>/stat`` over ``WINDOW_S`` seconds. A busy-polling thread (NIXL's progress thread, an asyncio loop that
 sleeps 0, an OpenMP pool told to spin) shows up as tens of percent; the periodic work a service
 does at rest (health and stats polls, lease housekeeping) is a fraction of one percent.
 """
@@ -23,6 +23,7 @@ from tests.integration.cluster_fixtures import (
     REPO,
     WorkerProcess,
     free_port,
+    start_kvstore,
     start_router,
     start_worker,
     stop_all,
@@ -79,6 +80,7 @@ def idle_services(tmp_path_factory):
             services[f"{transfer} prefill"] = start_worker("prefill", log_dir, transfer=transfer)
             services[f"{transfer} decode"] = start_worker("decode", log_dir, transfer=transfer)
         services["colocated"] = start_colocated(log_dir)
+        services["kvstore"] = start_kvstore(log_dir, "--kvstore-gib", "0.05")
         wait_serving(list(services.values()))
         for transfer in ("nixl", "grpc"):
             services[f"{transfer} router"] = start_router(

@@ -96,7 +96,8 @@ def test_concurrent_generation_by_several_processes(tmp_path):
     assert protogen.is_fresh(proto_root, gen_dir)
     files = sorted(p.name for p in (gen_dir / "pdserve" / "v1").glob("*.py"))
     assert files == ["__init__.py", "generate_pb2.py", "generate_pb2_grpc.py", "kv_pb2.py",
-                     "kv_pb2_grpc.py", "worker_pb2.py", "worker_pb2_grpc.py"]
+                     "kv_pb2_grpc.py", "kvstore_pb2.py", "kvstore_pb2_grpc.py", "worker_pb2.py",
+                     "worker_pb2_grpc.py"]
     for path in (gen_dir / "pdserve" / "v1").glob("*.py"):
         compile(path.read_text(), str(path), "exec")
     assert not list(gen_dir.glob(".tmp-*")) and not list(gen_dir.glob(".STAMP.*"))

@@ -1,0 +1,84 @@
+"""``pdserve serve kvstore``: the node's block store (KVStoreService + grpc.health.v1).
+
+    pdserve serve kvstore [--host 127.0.0.1] [--port 50081] [--kvstore-gib 1.0]
+                          [--transfer nixl|grpc] [--default-lease-ms 5000] [--drain-grace-s 10]
+                          (every flag: PDSERVE_* too)
+
+With ``--transfer nixl`` (the default) each compat's region is registered with a NIXL agent
+so workers can READ blocks one-sided; when NIXL cannot start here the store serves gRPC only
+(Get), with a warning. Prints ``listening on HOST:PORT`` once SERVING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
+from services.common.settings import add_env_argument
+
+DEFAULT_PORT = 50081
+GIB = 1 << 30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve serve kvstore", description=__doc__.split("\n\n")[0])
+    add = add_env_argument
+    add(parser, "--host", default=DEFAULT_HOST, help="address to bind (loopback by default)")
+    add(parser, "--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free port)")
+    add(parser, "--kvstore-gib", type=float, default=1.0, help="capacity in GiB of block bytes")
+    add(parser, "--transfer", choices=["nixl", "grpc"], default="nixl",
+        help="nixl: also serve one-sided NIXL reads (falls back to grpc when unusable)")
+    add(parser, "--default-lease-ms", type=int, default=5000,
+        help="read lease when a request asks for 0 ms")
+    add(parser, "--max-lease-ms", type=int, default=60_000, help="longest read lease granted")
+    add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
+        help="on SIGTERM, seconds in-flight requests may still run")
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from engine.kv_transfer.base import KVTransferError
+    from services.common.grpc_server import start_grpc_server
+    from services.common.pb import kvstore_pb2_grpc
+    from services.kvstore.nixl_host import NixlHost
+    from services.kvstore.server import KVSTORE_SERVICE_NAME, KVStoreServicer
+    from services.kvstore.store import BlockStore, KVStoreConfig
+
+    store = BlockStore(KVStoreConfig(capacity_bytes=int(args.kvstore_gib * GIB),
+                                     default_lease_s=args.default_lease_ms / 1000,
+                                     max_lease_s=args.max_lease_ms / 1000))
+    nixl = None
+    if args.transfer == "nixl":
+        try:
+            nixl = NixlHost()
+        except KVTransferError as error:
+            print(f"pdserve serve kvstore: warning: {error}; serving gRPC Get only",
+                  file=sys.stderr, flush=True)
+    servicer = KVStoreServicer(store, nixl, agent_name=f"kvstore-grpc-{os.getpid()}")
+    server = await start_grpc_server(
+        [(kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server, servicer)],
+        port=args.port, host=args.host, service_names=[KVSTORE_SERVICE_NAME])
+    print(f"listening on {server.address}", flush=True)
+    try:
+        await server.serve_until_signal(grace_s=args.drain_grace_s)
+    finally:
+        if nixl is not None:
+            nixl.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kvstore_gib <= 0:
+        parser.error(f"--kvstore-gib must be > 0, got {args.kvstore_gib}")
+    if not 0 < args.default_lease_ms <= args.max_lease_ms:
+        parser.error("need 0 < --default-lease-ms <= --max-lease-ms")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
