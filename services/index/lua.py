@@ -237,7 +237,8 @@ local key = p .. 'load:' .. wid
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 redis.call('ZADD', key, now + ttl, req)
-redis.call('PEXPIRE', key, ttl * 2)
+local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+redis.call('PEXPIRE', key, tonumber(last[2]) - now + 1000)
 return redis.call('ZCARD', key)
 """
 
