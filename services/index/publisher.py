@@ -55,13 +55,15 @@ class PublisherConfig:
     lease_ms: int = 6000
     redis_timeout_s: float = 1.0
     min_backoff_s: float = 0.1
-    max_backoff_s: float = 5.0
+    max_backoff_s: float = 2.0  # <= heartbeat_s: a restarted Redis is rebuilt within two heartbeats
     snapshot_chunk_blocks: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s * 1000 < self.lease_ms:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be positive and shorter than "
                              f"the lease ({self.lease_ms} ms)")
+        if not 0 < self.min_backoff_s <= self.max_backoff_s <= self.heartbeat_s:
+            raise ValueError("need 0 < min_backoff_s <= max_backoff_s <= heartbeat_s")
         if self.max_batch_ops <= 0 or self.max_queue_ops < self.max_batch_ops:
             raise ValueError("need 0 < max_batch_ops <= max_queue_ops")
 
@@ -221,7 +223,7 @@ class IndexPublisher:
         with self._cond:
             self._needs_register = False
             self._needs_snapshot = True
-            self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
+            self._next_heartbeat = time.monotonic()  # publish the load right away
 
     def _snapshot(self) -> None:
         with self._cond:
@@ -240,7 +242,7 @@ class IndexPublisher:
             raise
         self._count(f"snapshot_{status.lower()}")
         if status == "FENCED":
-            self._set_flags(register=True)
+            self._fenced()
         elif status != "OK":
             self.request_snapshot()
 
@@ -269,7 +271,7 @@ class IndexPublisher:
                 self._set_flags(register=False)
                 return
             else:
-                self._set_flags(register=True)
+                self._fenced()
                 return
 
     def _heartbeat(self) -> None:
@@ -278,4 +280,16 @@ class IndexPublisher:
         self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
         if status != "OK":
             self._count("heartbeat_fenced")
-            self._set_flags(register=True)
+            self._fenced()
+
+    def _fenced(self) -> None:
+        """Our epoch is not the registered one. Redis lost or reaped the registration: register
+        again. A newer process took this worker id: this one is stale and stops publishing."""
+        registered = self._scripts.registered_epoch(self.worker.worker_id)
+        if registered is not None and registered != self.epoch:
+            logger.error("prefix index: worker id %s was registered by a newer process (epoch %s); "
+                         "this one (epoch %s) stops publishing", self.worker.worker_id, registered,
+                         self.epoch)
+            self._disabled = True
+            return
+        self._set_flags(register=True)

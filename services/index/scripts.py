@@ -69,6 +69,11 @@ class IndexScripts:
             raise IndexMetaMismatch(f"prefix index {self.scope}meta field {status[1]!r} is "
                                     f"{status[2]!r}; this process expects another value")
 
+    def registered_epoch(self, worker_id: str) -> str | None:
+        """The epoch ``worker_id`` is registered with, or None if it is not registered."""
+        epoch = self.client.hget(f"{self.scope}w:{worker_id}", "epoch")
+        return None if epoch is None else _text(epoch)  # type: ignore[arg-type]
+
     def stored_meta(self) -> dict[str, str]:
         raw = self.client.hgetall(self.scope + "meta")
         return {_text(k): _text(v) for k, v in raw.items()}  # type: ignore[union-attr]
