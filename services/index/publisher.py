@@ -143,6 +143,11 @@ class IndexPublisher:
             self._cond.notify()
 
     @property
+    def scope(self) -> str:
+        """The index's key prefix this worker writes under."""
+        return self._scripts.scope
+
+    @property
     def is_synced(self) -> bool:
         """Registered, no snapshot pending and every queued op applied."""
         with self._cond:

