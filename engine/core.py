@@ -8,7 +8,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.events import Tier
+from engine.kv_cache.events import KVCacheEvent, Tier
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.manager import KVCacheManager
 from engine.models.loader import LoadedModel
@@ -199,7 +199,7 @@ class EngineCore:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
         return self.spec.stats() if self.spec is not None else None
 
-    def take_kv_events(self) -> list:
+    def take_kv_events(self) -> list[KVCacheEvent]:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""
         return self.kv_manager.take_events()
 

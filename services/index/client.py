@@ -78,7 +78,8 @@ class IndexClient:
         """Per live worker, its cached prefix of ``block_hashes`` (a chain from the root) and its
         load; None when the index cannot answer within the budget (route by load only)."""
         if not self.breaker.allow():
-            return self._fallback("breaker_open")
+            self._count_fallback("breaker_open")
+            return None
         start = time.perf_counter()
         try:
             if not self._meta_ok:
@@ -89,13 +90,15 @@ class IndexClient:
             if self.meta_error is None:
                 logger.error("prefix index refused: %s", exc)
             self.meta_error = exc
-            return self._fallback("meta_mismatch")
+            self._count_fallback("meta_mismatch")
+            return None
         except redis.RedisError as exc:
             self.breaker.record_failure()
             with self._lock:
                 self._meta_ok = False
             reason = "timeout" if isinstance(exc, redis.TimeoutError) else "error"
-            return self._fallback(reason)
+            self._count_fallback(reason)
+            return None
         self.last_lookup_s = time.perf_counter() - start
         self.breaker.record_success()
         return result
@@ -107,10 +110,9 @@ class IndexClient:
             self.meta_error = None
             self._meta_ok = bool(stored)  # an empty index is checked again once a worker writes
 
-    def _fallback(self, reason: str) -> None:
+    def _count_fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        return None
 
     def reserve(self, worker_id: str, request_id: str) -> int | None:
         """Count ``request_id`` in flight on ``worker_id`` for every router (expires after
@@ -123,7 +125,7 @@ class IndexClient:
 
     def reap_dead_workers(self) -> int | None:
         """Janitor: forget workers whose lease lapsed; how many, or None if unavailable."""
-        return self._guarded(self._scripts.reap)
+        return self._guarded(lambda: self._scripts.reap())
 
     def _guarded(self, call: Callable[[], T]) -> T | None:
         if not self.breaker.allow():

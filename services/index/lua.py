@@ -163,8 +163,11 @@ forget(wid)
 return 'OK'
 """
 
-# ARGV: p. The janitor: forget every registered worker whose lease lapsed; returns how many.
+# ARGV: p, janitor lock ms (0: no lock). The janitor: forget every registered worker whose lease
+# lapsed; returns how many, or -1 when another process holds the janitor lock.
 REAP = _PRELUDE + _FORGET + r"""
+local lock_ms = tonumber(ARGV[2])
+if lock_ms > 0 and not redis.call('SET', p .. 'janitor', '1', 'NX', 'PX', lock_ms) then return -1 end
 local reaped = 0
 for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
   if redis.call('EXISTS', p .. 'alive:' .. wid) == 0 then

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Tier
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Tier,
+)
 from services.index.scripts import ApplyOp
 
 ALL_TIERS = int(Tier.DEVICE | Tier.HOST | Tier.KVSTORE)
 
 
 def events_to_ops(events: Iterable[KVCacheEvent]) -> list[ApplyOp]:
-    """The ops of ``events``, in order. Raises ValueError on anything that is not a KV event."""
+    """The ops of ``events``, in order. Raises TypeError on anything that is not a KV event."""
     ops: list[ApplyOp] = []
     for event in events:
         if isinstance(event, BlockStored):
@@ -26,5 +32,5 @@ def events_to_ops(events: Iterable[KVCacheEvent]) -> list[ApplyOp]:
         elif isinstance(event, AllBlocksCleared):
             ops.append(("C", "", ALL_TIERS if event.tier is None else int(event.tier)))
         else:
-            raise ValueError(f"not a KV cache event: {event!r}")
+            raise TypeError(f"not a KV cache event: {event!r}")
     return ops

@@ -13,9 +13,11 @@ epoch. Ops wait in a bounded queue and are flushed every ``flush_interval_s`` or
 then snapshot). A queue overflow drops the queue and sends a snapshot instead: never a silent
 drop. ``holdings()`` returns the worker's current blocks (hash -> tier mask); it is called on the
 publisher thread, so it must be thread-safe. A heartbeat every ``heartbeat_s`` renews the lease
-(``lease_ms``) and publishes ``load()``; a FENCED heartbeat (Redis restarted or flushed) makes the
-worker re-register and snapshot, so the index is rebuilt within two heartbeats. Redis errors are
-logged and retried with backoff; at rest the thread sleeps until the next heartbeat.
+(``lease_ms``) and publishes ``load()``; a FENCED heartbeat (Redis restarted or flushed) makes
+the worker re-register and snapshot, so the index is rebuilt within two heartbeats. Every
+``janitor_interval_s`` one publisher of the deployment (a lock in Redis decides) removes the
+entries of workers whose lease lapsed. Redis errors are logged and retried with backoff; at
+rest the thread sleeps until the next heartbeat.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class PublisherConfig:
     min_backoff_s: float = 0.1
     max_backoff_s: float = 2.0  # <= heartbeat_s: a restarted Redis is rebuilt within two heartbeats
     snapshot_chunk_blocks: int = 1024
+    janitor_interval_s: float = 30.0  # every publisher offers; one per interval reaps dead workers
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s * 1000 < self.lease_ms:
@@ -97,6 +100,7 @@ class IndexPublisher:
         self._closing = False
         self._disabled = False
         self._next_heartbeat = 0.0
+        self._next_janitor = time.monotonic() + config.janitor_interval_s
         self._backoff_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"index-publisher-{worker.worker_id}",
                                         daemon=True)
@@ -111,7 +115,7 @@ class IndexPublisher:
             self._register()
         except IndexMetaMismatch:
             raise
-        except Exception as exc:  # Redis down: the background thread retries
+        except Exception as exc:  # noqa: BLE001 - Redis down: the background thread retries
             logger.warning("prefix index at start: %s; will retry", exc)
         self._thread.start()
 
@@ -162,7 +166,7 @@ class IndexPublisher:
             self._thread.join(timeout_s)
         try:
             self._scripts.remove(self.worker.worker_id, self.epoch)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - best effort: the lease lapses anyway
             logger.info("prefix index: could not remove %s on close: %s", self.worker.worker_id, exc)
         self._scripts.client.close()
 
@@ -205,7 +209,7 @@ class IndexPublisher:
             except IndexMetaMismatch as exc:
                 logger.error("prefix index disabled for this worker: %s", exc)
                 self._disabled = True
-            except Exception as exc:  # Redis down or slow: never raise into the worker
+            except Exception as exc:  # noqa: BLE001 - Redis down or slow: never raise into the worker
                 if self._backoff_s == 0.0:
                     logger.warning("prefix index unavailable (%s: %s); retrying with backoff",
                                    type(exc).__name__, exc)
@@ -286,6 +290,11 @@ class IndexPublisher:
         if status != "OK":
             self._count("heartbeat_fenced")
             self._fenced()
+        elif time.monotonic() >= self._next_janitor:
+            self._next_janitor = time.monotonic() + self.config.janitor_interval_s
+            reaped = self._scripts.reap(int(self.config.janitor_interval_s * 1000))
+            if reaped > 0:
+                logger.info("prefix index janitor: removed %d dead workers' entries", reaped)
 
     def _fenced(self) -> None:
         """Our epoch is not the registered one. Redis lost or reaped the registration: register

@@ -96,7 +96,8 @@ class EmbeddedRedis:
                 "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
                 "--logfile", self._log_path]
         self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                      # no exec-unsafe work in it: one prctl call
+                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -140,7 +141,7 @@ class EmbeddedRedis:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> EmbeddedRedis:
+    def __enter__(self) -> EmbeddedRedis:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -41,7 +42,7 @@ class WorkerMatch:
         return self.num_device_blocks + self.num_host_blocks + self.num_kvstore_blocks
 
 
-def _text(value: bytes | str | int) -> str:
+def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -54,7 +55,7 @@ class IndexScripts:
         self.scope = meta.scope
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
-    def _run(self, name: str, *args: str | int | float) -> object:
+    def _run(self, name: str, *args: str | float) -> Any:  # redis replies are untyped
         return self._scripts[name](keys=[], args=[self.scope, *args])
 
     def register(self, worker: WorkerInfo, epoch: str, lease_ms: int) -> None:
@@ -63,7 +64,7 @@ class IndexScripts:
         meta = [x for kv in self.meta.fields().items() for x in kv]
         info = ["role", worker.role, "node", worker.node, "grpc", worker.grpc]
         reply = self._run("register", worker.worker_id, epoch, lease_ms, len(meta) // 2, *meta, *info)
-        status = [_text(x) for x in reply]  # type: ignore[union-attr]
+        status = [_text(x) for x in reply]
         if status[0] == "META":
             self.meta.check_stored(self.stored_meta())
             raise IndexMetaMismatch(f"prefix index {self.scope}meta field {status[1]!r} is "
@@ -72,16 +73,16 @@ class IndexScripts:
     def registered_epoch(self, worker_id: str) -> str | None:
         """The epoch ``worker_id`` is registered with, or None if it is not registered."""
         epoch = self.client.hget(f"{self.scope}w:{worker_id}", "epoch")
-        return None if epoch is None else _text(epoch)  # type: ignore[arg-type]
+        return None if epoch is None else _text(epoch)
 
     def stored_meta(self) -> dict[str, str]:
         raw = self.client.hgetall(self.scope + "meta")
-        return {_text(k): _text(v) for k, v in raw.items()}  # type: ignore[union-attr]
+        return {_text(k): _text(v) for k, v in raw.items()}
 
     def apply(self, worker_id: str, epoch: str, seq_first: int, ops: Sequence[ApplyOp]) -> str:
         """Apply ops numbered ``seq_first..seq_first+len(ops)-1``: 'OK', 'DUP', 'GAP' or 'FENCED'."""
         flat = [x for op in ops for x in op]
-        return _text(self._run("apply", worker_id, epoch, seq_first, *flat))  # type: ignore[arg-type]
+        return _text(self._run("apply", worker_id, epoch, seq_first, *flat))
 
     def snapshot(self, worker_id: str, epoch: str, seq_at: int, holdings: Iterable[tuple[str, int]],
                  chunk_size: int = 1024) -> str:
@@ -111,30 +112,31 @@ class IndexScripts:
         return reply if isinstance(reply, int) else None
 
     def snapshot_chunk(self, worker_id: str, epoch: str, gen: int, pairs: Sequence[str | int]) -> str:
-        return _text(self._run("snapshot_chunk", worker_id, epoch, gen, *pairs))  # type: ignore[arg-type]
+        return _text(self._run("snapshot_chunk", worker_id, epoch, gen, *pairs))
 
     def snapshot_commit(self, worker_id: str, epoch: str, gen: int, seq_at: int) -> str:
-        return _text(self._run("snapshot_commit", worker_id, epoch, gen, seq_at))  # type: ignore[arg-type]
+        return _text(self._run("snapshot_commit", worker_id, epoch, gen, seq_at))
 
     def heartbeat(self, worker_id: str, epoch: str, lease_ms: int,
-                  load: dict[str, str | int | float]) -> str:
+                  load: dict[str, str | float]) -> str:
         """Renew the lease and publish load fields: 'OK' or 'FENCED' (re-register)."""
         flat = [x for kv in load.items() for x in kv]
-        return _text(self._run("heartbeat", worker_id, epoch, lease_ms, *flat))  # type: ignore[arg-type]
+        return _text(self._run("heartbeat", worker_id, epoch, lease_ms, *flat))
 
     def remove(self, worker_id: str, epoch: str) -> str:
         """A leaving worker drops all its entries: 'OK' or 'FENCED' (a newer incarnation owns them)."""
-        return _text(self._run("remove", worker_id, epoch))  # type: ignore[arg-type]
+        return _text(self._run("remove", worker_id, epoch))
 
-    def reap(self) -> int:
-        """Janitor: forget every worker whose lease lapsed; returns how many."""
-        return int(self._run("reap"))  # type: ignore[call-overload]
+    def reap(self, lock_ms: int = 0) -> int:
+        """Janitor: forget every worker whose lease lapsed; returns how many. With ``lock_ms``,
+        only if no other process reaped in the last ``lock_ms`` (else -1): one janitor per period."""
+        return int(self._run("reap", lock_ms))
 
     def match(self, hash_hexes: Sequence[str]) -> dict[str, WorkerMatch]:
         """Per live worker, its cached prefix of the chain ``hash_hexes`` and its load."""
         rows = self._run("match", *hash_hexes)
         result: dict[str, WorkerMatch] = {}
-        for row in rows:  # type: ignore[union-attr]
+        for row in rows:
             wid = _text(row[0])
             result[wid] = WorkerMatch(wid, int(row[1]), int(row[2]), int(row[3]), int(row[4]),
                                       int(float(_text(row[5]) or 0)), int(float(_text(row[6]) or 0)),
@@ -144,7 +146,7 @@ class IndexScripts:
     def reserve(self, worker_id: str, request_id: str, ttl_ms: int) -> int:
         """Count ``request_id`` as in flight on ``worker_id`` for ``ttl_ms``; returns the worker's
         live reservation count (all routers)."""
-        return int(self._run("reserve", worker_id, request_id, ttl_ms))  # type: ignore[call-overload]
+        return int(self._run("reserve", worker_id, request_id, ttl_ms))
 
     def release(self, worker_id: str, request_id: str) -> bool:
         return bool(self._run("release", worker_id, request_id))

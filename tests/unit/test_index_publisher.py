@@ -181,3 +181,17 @@ def test_meta_mismatch_fails_the_start(redis_server, index):
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="heartbeat_s"):
         PublisherConfig(heartbeat_s=6.0, lease_ms=6000)
+
+
+def test_a_publisher_reaps_dead_workers(redis_server, index):
+    index.register(WorkerInfo("dead", "decode"), "e0", 100)
+    index.apply("dead", "e0", 1, [("S", H[0].hex(), 1)])
+    config = PublisherConfig(flush_interval_s=0.005, heartbeat_s=0.1, lease_ms=600,
+                             min_backoff_s=0.05, max_backoff_s=0.1, janitor_interval_s=0.3)
+    worker = Worker(redis_server.url, config=config)
+    worker.publisher.start()
+    try:
+        wait_for(lambda: index.client.smembers(META.scope + "workers") == {b"p0"})
+        assert held(index, "dead") == {}
+    finally:
+        worker.publisher.close()

@@ -150,3 +150,10 @@ def test_scripts_reload_after_redis_restart(scripts, redis_server):
     redis_server.restart()  # empty: no scripts cached, no keys
     assert scripts.apply("p0", "e1", 1, [("S", H[0], 1)]) == "FENCED"
     assert scripts.match(H[:1]) == {}
+
+
+def test_one_janitor_per_lock_period(scripts):
+    scripts.register(WorkerInfo("p0", "prefill"), "e1", 100)
+    time.sleep(0.2)
+    assert scripts.reap(lock_ms=5000) == 1
+    assert scripts.reap(lock_ms=5000) == -1  # another janitor reaped within the period
