@@ -95,7 +95,10 @@ class EmbeddedRedis:
                 "--appendonly", "no", "--maxmemory-policy", "noeviction", "--daemonize", "no",
                 "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
                 "--logfile", self._log_path]
+        # Own session: a terminal's Ctrl-C reaches only the owner, which stops the server last
+        # (after the workers removed their entries); PDEATHSIG still ties it to the owner.
         self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True,
                                       # no exec-unsafe work in it: one prctl call
                                       preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
         self._wait_ready()
