@@ -179,7 +179,7 @@ return reaped
 """
 
 # ARGV: p, hash hexes of the request's blocks in chain order. Returns one row per live worker:
-# {wid, device, host, kvstore, reserved, running, waiting, kv_usage, role}. device/host/kvstore
+# {wid, device, host, kvstore, reserved, running, waiting, kv_usage, role, grpc}. device/host/kvstore
 # split the worker's matched prefix (leading blocks it holds on any tier, counted only while its
 # lease holds its entries' epoch) by the fastest tier holding each block.
 MATCH = _PRELUDE + r"""
@@ -223,11 +223,12 @@ end
 local now = now_ms()
 local rows = {}
 for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
-  local w = redis.call('HMGET', p .. 'w:' .. wid, 'epoch', 'running', 'waiting', 'kv_usage', 'role')
+  local w = redis.call('HMGET', p .. 'w:' .. wid, 'epoch', 'running', 'waiting', 'kv_usage', 'role', 'grpc')
   if w[1] and live_epoch(wid) == w[1] then
     local r = runs[wid] or {0, 0, 0}
     local reserved = redis.call('ZCOUNT', p .. 'load:' .. wid, now, '+inf')
-    rows[#rows + 1] = {wid, r[1], r[2], r[3], reserved, w[2] or '0', w[3] or '0', w[4] or '0', w[5] or ''}
+    rows[#rows + 1] = {wid, r[1], r[2], r[3], reserved, w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '',
+                       w[6] or ''}
   end
 end
 return rows

@@ -35,6 +35,7 @@ class WorkerMatch:
     num_waiting: int
     kv_usage: float
     role: str
+    grpc_address: str = ""  # where the router reaches it (its --prefill/--decode address)
 
     @property
     def num_matched_blocks(self) -> int:
@@ -140,7 +141,7 @@ class IndexScripts:
             wid = _text(row[0])
             result[wid] = WorkerMatch(wid, int(row[1]), int(row[2]), int(row[3]), int(row[4]),
                                       int(float(_text(row[5]) or 0)), int(float(_text(row[6]) or 0)),
-                                      float(_text(row[7]) or 0), _text(row[8]))
+                                      float(_text(row[7]) or 0), _text(row[8]), _text(row[9]))
         return result
 
     def reserve(self, worker_id: str, request_id: str, ttl_ms: int) -> int:

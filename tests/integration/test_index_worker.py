@@ -70,6 +70,7 @@ def test_a_prefill_worker_is_found_by_its_prompt_until_it_dies(redis_server, def
             time.sleep(0.05)
         assert found[prefill_id].num_device_blocks == 4, (found, prefill_worker.log_tail())
         assert found[prefill_id].role == "prefill"
+        assert found[prefill_id].grpc_address == prefill_worker.address
 
         prefill_worker.proc.send_signal(signal.SIGKILL)
         prefill_worker.proc.wait(10)

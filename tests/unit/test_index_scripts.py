@@ -58,7 +58,7 @@ def test_tier_masks_combine_and_clear(scripts):
 
 
 def test_match_walks_the_chain_and_splits_by_fastest_tier(scripts):
-    scripts.register(WorkerInfo("p0", "prefill"), "e1", 5000)
+    scripts.register(WorkerInfo("p0", "prefill", grpc="127.0.0.1:7001"), "e1", 5000)
     scripts.register(WorkerInfo("d0", "decode"), "e2", 5000)
     scripts.apply("p0", "e1", 1, [("S", H[0], 1), ("S", H[1], 3), ("S", H[2], 2), ("S", H[4], 1)])
     scripts.apply("d0", "e2", 1, [("S", H[0], 4), ("S", H[2], 1)])  # d0 lacks H[1]: run stops at 1
@@ -68,6 +68,7 @@ def test_match_walks_the_chain_and_splits_by_fastest_tier(scripts):
     assert (p0.num_device_blocks, p0.num_host_blocks, p0.num_kvstore_blocks) == (2, 1, 0)
     assert p0.num_matched_blocks == 3
     assert (p0.num_running, p0.num_waiting, p0.kv_usage, p0.role) == (2, 1, 0.25, "prefill")
+    assert (p0.grpc_address, d0.grpc_address) == ("127.0.0.1:7001", "")
     assert (d0.num_device_blocks, d0.num_host_blocks, d0.num_kvstore_blocks) == (0, 0, 1)
     assert scripts.match([H[7]])["p0"].num_matched_blocks == 0  # live workers always listed
 
