@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import redis
@@ -27,7 +26,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.kv_cache.hashing import BlockHash
-from services.index.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from services.index.breaker import BreakerState, CircuitBreaker
+from services.index.config import IndexClientConfig
 from services.index.schema import IndexMeta, IndexMetaMismatch
 from services.index.scripts import IndexScripts, WorkerMatch
 
@@ -35,24 +35,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class IndexClientConfig:
-    budget_s: float = 0.005
-    reservation_ttl_ms: int = 30_000
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
-
-    def __post_init__(self) -> None:
-        if self.budget_s <= 0 or self.reservation_ttl_ms <= 0:
-            raise ValueError(f"budget_s and reservation_ttl_ms must be positive, got {self}")
-
-
 class IndexClient:
     """See the module docstring. Thread-safe (redis-py's pool; the breaker has a lock)."""
 
     def __init__(self, redis_url: str, meta: IndexMeta,
-                 config: IndexClientConfig = IndexClientConfig()) -> None:
+                 config: IndexClientConfig | None = None) -> None:
         self.meta = meta
-        self.config = config
+        self.config = config = config or IndexClientConfig()
         self.breaker = CircuitBreaker(config.breaker)
         client = redis.Redis.from_url(redis_url, socket_timeout=config.budget_s,
                                       socket_connect_timeout=config.budget_s,

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import redis
 from redis.backoff import NoBackoff
@@ -36,6 +35,7 @@ from redis.retry import Retry
 
 from engine.kv_cache.events import KVCacheEvent
 from engine.kv_cache.hashing import BlockHash
+from services.index.config import PublisherConfig
 from services.index.ops import events_to_ops
 from services.index.schema import IndexMeta, IndexMetaMismatch, WorkerInfo
 from services.index.scripts import ApplyOp, IndexScripts
@@ -44,31 +44,6 @@ logger = logging.getLogger(__name__)
 
 Holdings = Callable[[], Mapping[BlockHash, int]]
 LoadFn = Callable[[], Mapping[str, str | int | float]]
-
-
-@dataclass(frozen=True)
-class PublisherConfig:
-    """Timings in seconds unless named ``_ms``; tests shorten the heartbeat and lease."""
-
-    flush_interval_s: float = 0.010
-    max_batch_ops: int = 256
-    max_queue_ops: int = 65536
-    heartbeat_s: float = 2.0
-    lease_ms: int = 6000
-    redis_timeout_s: float = 1.0
-    min_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0  # <= heartbeat_s: a restarted Redis is rebuilt within two heartbeats
-    snapshot_chunk_blocks: int = 1024
-    janitor_interval_s: float = 30.0  # every publisher offers; one per interval reaps dead workers
-
-    def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_s * 1000 < self.lease_ms:
-            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be positive and shorter than "
-                             f"the lease ({self.lease_ms} ms)")
-        if not 0 < self.min_backoff_s <= self.max_backoff_s <= self.heartbeat_s:
-            raise ValueError("need 0 < min_backoff_s <= max_backoff_s <= heartbeat_s")
-        if self.max_batch_ops <= 0 or self.max_queue_ops < self.max_batch_ops:
-            raise ValueError("need 0 < max_batch_ops <= max_queue_ops")
 
 
 def new_epoch() -> str:
@@ -80,11 +55,11 @@ class IndexPublisher:
     """Mirrors one worker's prefix cache into the index; see the module docstring."""
 
     def __init__(self, redis_url: str, meta: IndexMeta, worker: WorkerInfo, holdings: Holdings,
-                 load: LoadFn | None = None, config: PublisherConfig = PublisherConfig(),
+                 load: LoadFn | None = None, config: PublisherConfig | None = None,
                  epoch: str | None = None) -> None:
         self.worker = worker
         self.epoch = epoch or new_epoch()
-        self.config = config
+        self.config = config = config or PublisherConfig()
         self._holdings = holdings
         self._load = load
         client = redis.Redis.from_url(redis_url, socket_timeout=config.redis_timeout_s,
@@ -122,13 +97,13 @@ class IndexPublisher:
     def publish(self, events: Sequence[KVCacheEvent]) -> None:
         """Queue ``events`` (thread-safe, O(len)). Never touches Redis, never raises for it."""
         ops = events_to_ops(events)
-        if not ops:
+        if not ops or self._disabled:
             return
         with self._cond:
             if len(self._queue) + len(ops) > self.config.max_queue_ops:
                 # The queue's ops are lost: their seq numbers are skipped, so Redis answers GAP, and
                 # the snapshot covers them anyway.
-                self._next_seq += len(self._queue) + len(ops)
+                self._next_seq += len(ops)
                 self._queue.clear()
                 self._needs_snapshot = True
                 self._count("overflow")
@@ -252,8 +227,9 @@ class IndexPublisher:
         self._count(f"snapshot_{status.lower()}")
         if status == "FENCED":
             self._fenced()
-        elif status != "OK":
+        elif status != "OK":  # STALE: another writer of this epoch; retry after a backoff
             self.request_snapshot()
+            raise RuntimeError(f"prefix index snapshot of {self.worker.worker_id} was {status}")
 
     def _set_flags(self, register: bool) -> None:
         with self._cond:
