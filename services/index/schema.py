@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_cache.hashing import DOMAIN, BlockHash, root_hash
+from engine.kv_transfer.base import kv_compat_hash
 
 SCHEMA_VERSION = 1
 _COMPAT_PREFIX_LEN = 8
@@ -81,6 +82,14 @@ class IndexMeta:
                 f"prefix index {self.scope}meta disagrees with this process ({'; '.join(diffs)}); "
                 "every router and worker must use the same hash seed, domain and block size "
                 "(or flush the index)")
+
+
+def index_meta_for(model_name: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int,
+                   head_dim: int, hash_seed: str = "") -> IndexMeta:
+    """The index settings of a model's KV cache, computed without torch (what a router needs to
+    find the scope the workers write: the same ``kv_compat_hash`` they put in their handshake)."""
+    compat = kv_compat_hash(model_name, dtype, block_size, num_layers, num_kv_heads, head_dim)
+    return IndexMeta(model_name, compat, block_size, hash_seed)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ import grpc
 import pytest
 
 from engine.kv_cache.hashing import hash_request_blocks
-from engine.kv_transfer.base import kv_compat_hash
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.index.client import IndexClient, IndexClientConfig
-from services.index.schema import IndexMeta
+from services.index.schema import index_meta_for
 from services.worker.convert import params_to_proto
 from tests.integration.cluster_fixtures import start_worker, stop_all, wait_serving
 
@@ -47,7 +46,7 @@ def prefill(worker_address: str, decode_address: str) -> None:
 def test_a_prefill_worker_is_found_by_its_prompt_until_it_dies(redis_server, default_model_path,
                                                                 tmp_path):
     model_name = Path(default_model_path).name.removesuffix(".gguf")
-    meta = IndexMeta(model_name, kv_compat_hash(model_name, "float32", BLOCK_SIZE, 30, 3, 64), BLOCK_SIZE)
+    meta = index_meta_for(model_name, "float32", BLOCK_SIZE, 30, 3, 64)  # as a router computes it
     index = ["--redis-url", redis_server.url, "--index-heartbeat-s", str(HEARTBEAT_S),
              "--num-kv-blocks", "64"]
     prefill_worker = start_worker("prefill", tmp_path, *index, transfer="grpc")

@@ -4,6 +4,7 @@ its events (what a snapshot sends), and ``pdserve up`` handing ``--redis-url`` t
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,13 @@ def test_without_a_url_nothing_is_passed(tmp_path, monkeypatch):
     monkeypatch.delenv("PDSERVE_REDIS_URL", raising=False)
     workers, router = launcher.plan(launcher.build_parser().parse_args([]), tmp_path)
     assert all("--redis-url" not in child.argv for child in [*workers, router])
+
+
+def test_the_index_and_the_scoring_are_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, services.index.client, services.index.publisher, services.index.redis_server, "
+            "services.router.prefix_policy; assert 'torch' not in sys.modules, 'torch imported'")
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo)
