@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 from engine.kv_cache.hashing import BlockHash
@@ -41,7 +42,8 @@ class WorkerIndexPublisher:
         heartbeat_s = runtime.args.index_heartbeat_s
         config = PublisherConfig(heartbeat_s=heartbeat_s, lease_ms=int(LEASE_HEARTBEATS * heartbeat_s * 1000),
                                  max_backoff_s=heartbeat_s, min_backoff_s=min(0.1, heartbeat_s))
-        worker = WorkerInfo(runtime.worker_id, runtime.role.value, grpc=grpc_address)
+        worker = WorkerInfo(runtime.worker_id, runtime.role.value, node=socket.gethostname(),
+                            grpc=grpc_address)
         self.publisher = IndexPublisher(runtime.args.redis_url, index_meta(runtime.model_name, self._engine),
                                         worker, self._holdings, self._load, config)
         self._loop: asyncio.AbstractEventLoop | None = None
