@@ -60,10 +60,13 @@ def index(redis_server) -> IndexScripts:
 
 
 def held(index: IndexScripts, wid: str = "p0") -> dict[BlockHash, int]:
+    """The worker's entries now. Not atomic against a running publisher: an entry removed
+    between the two reads is left out (callers poll until the state they expect)."""
     out = {}
     for h in index.client.smembers(META.scope + f"wb:{wid}"):
-        value = index.client.hget(META.scope + "b:" + h.decode(), wid).decode()
-        out[BlockHash(bytes.fromhex(h.decode()))] = int(value.rsplit(":", 1)[1])
+        value = index.client.hget(META.scope + "b:" + h.decode(), wid)
+        if value is not None:
+            out[BlockHash(bytes.fromhex(h.decode()))] = int(value.decode().rsplit(":", 1)[1])
     return out
 
 
