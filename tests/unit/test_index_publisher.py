@@ -198,3 +198,18 @@ def test_a_publisher_reaps_dead_workers(redis_server, index):
         assert held(index, "dead") == {}
     finally:
         worker.publisher.close()
+
+
+def test_an_idle_publisher_sleeps(redis_server, index):
+    worker = Worker(redis_server.url, config=PublisherConfig(heartbeat_s=0.5, lease_ms=1500,
+                                                             max_backoff_s=0.5))
+    worker.publisher.start()
+    try:
+        worker.store(H[:2])
+        wait_for(lambda: worker.publisher.is_synced)
+        cpu_before, wall_before = time.process_time(), time.monotonic()
+        time.sleep(1.0)  # two heartbeats, nothing to publish
+        cpu = time.process_time() - cpu_before
+        assert cpu < 0.05 * (time.monotonic() - wall_before), f"{cpu:.3f} s CPU while idle"
+    finally:
+        worker.publisher.close()
