@@ -180,6 +180,8 @@ class IndexPublisher:
         while self._wait_until_due():
             try:
                 self._work()
+                if self._backoff_s:
+                    logger.info("prefix index reachable again")
                 self._backoff_s = 0.0
             except IndexMetaMismatch as exc:
                 logger.error("prefix index disabled for this worker: %s", exc)
