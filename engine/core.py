@@ -8,6 +8,8 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.events import KVCacheEvent, Tier
+from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.manager import KVCacheManager
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
@@ -199,9 +201,15 @@ class EngineCore:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
         return self.spec.stats() if self.spec is not None else None
 
-    def take_kv_events(self) -> list:
+    def take_kv_events(self) -> list[KVCacheEvent]:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""
         return self.kv_manager.take_events()
+
+    def kv_holdings(self) -> dict[BlockHash, Tier]:
+        """Every block hash this engine's prefix cache holds now, with the tiers holding it: the
+        state that ``take_kv_events`` reports as changes (a prefix-index snapshot). Call on the
+        engine thread."""
+        return {h: Tier.DEVICE for h in self.kv_manager.cached_block_hashes()}
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the block pool or the block tables are inconsistent."""

@@ -49,6 +49,8 @@ from services.common.engine_flags import add_engine_arguments, engine_args_from,
 from services.common.grpc_server import DEFAULT_GRACE_S
 from services.common.health import SERVING, check_health
 from services.common.settings import add_env_argument
+from services.index.redis_server import EmbeddedRedis
+from services.index.settings import add_redis_url_argument
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--startup-timeout-s", type=float, default=300.0, help="wait this long for SERVING")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGINT/SIGTERM, seconds in-flight requests may still run")
+    add_redis_url_argument(parser, "Redis of the prefix index, e.g. redis://10.0.0.5:6379/0 (default: "
+                                   "start an embedded redis-server on a free loopback port)")
     add_engine_arguments(parser)
     return parser
 
@@ -168,9 +172,11 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     """The worker processes and the router process to start. Each gets ``--model`` and every
     engine flag whose value in ``args`` differs from its default (the user's, from the command
     line or ``PDSERVE_*``); the workers' ``--num-threads`` from the core split comes before
-    them, so one the user gave wins, and ``--worker-args`` come last."""
+    them, so one the user gave wins, and ``--worker-args`` come last. ``args.redis_url``
+    (when set) goes to every worker and the router."""
     workers: list[Child] = []
     extra = args.worker_args.split()
+    index_argv = ["--redis-url", args.redis_url] if getattr(args, "redis_url", "") else []
     engine = [*(["--model", args.model] if args.model else []), *engine_argv(engine_args_from(args))]
     split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
     if not args.colocated:
@@ -187,10 +193,10 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *engine, *extra],
+                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *engine, *extra],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
-                   "--grpc-port", str(args.grpc_port), *engine]
+                   "--grpc-port", str(args.grpc_port), *index_argv, *engine]
     if args.colocated:
         router_argv.append("--colocated")
     else:
@@ -272,6 +278,30 @@ async def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve up: logs in {log_dir}", file=sys.stderr, flush=True)
+    # On this thread: the server dies with the thread that started it (PR_SET_PDEATHSIG).
+    redis_server = None if args.colocated or args.redis_url else start_redis()
+    if redis_server is not None:
+        args.redis_url = redis_server.url
+    try:
+        return await _run_children(args, env, log_dir)
+    finally:
+        if redis_server is not None:
+            await asyncio.to_thread(redis_server.close)
+
+
+def start_redis() -> EmbeddedRedis | None:
+    """The embedded index server, or None (with a warning: routing is then by load only)."""
+    try:
+        server = EmbeddedRedis.start()
+    except (FileNotFoundError, RuntimeError, OSError) as exc:
+        print(f"pdserve up: warning: no prefix index ({exc}); routing by load only",
+              file=sys.stderr, flush=True)
+        return None
+    print(f"pdserve up: prefix index at {server.url}", file=sys.stderr, flush=True)
+    return server
+
+
+async def _run_children(args: argparse.Namespace, env: dict[str, str], log_dir: Path) -> int:
     workers, router = plan(args, log_dir)
     kvstore = plan_kvstore(args, log_dir)
     if kvstore is not None:

@@ -29,3 +29,13 @@ def hf_model(default_model_path):
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture
+def redis_server():
+    """A real, empty ``redis-server`` on a free loopback port for one test (``.url``; ``.kill()``
+    then ``.restart()`` simulates a crash: it comes back empty on the same port)."""
+    from services.index.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis.start() as server:
+        yield server

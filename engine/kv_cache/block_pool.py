@@ -165,6 +165,11 @@ class BlockPool:
         """The block holding ``block_hash`` (in use or free), or None. Does not take a reference."""
         return self._cached.get(block_hash)
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Hashes of every block in the prefix cache now (in use or free): what a snapshot of
+        this pool's events, applied in order, adds up to."""
+        return list(self._cached)
+
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the queued events, oldest first."""
         events, self._events = self._events, []

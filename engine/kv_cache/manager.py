@@ -215,6 +215,9 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.block_pool.cached_block_hashes()
+
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
 

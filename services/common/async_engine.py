@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.kv_cache.events import KVCacheEvent
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.stats import EngineStats, Sendable
@@ -42,6 +43,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._kv_event_sink: Callable[[list[KVCacheEvent]], None] | None = None
         self.error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -129,6 +131,13 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    def set_kv_event_sink(self, sink: Callable[[list[KVCacheEvent]], None] | None) -> None:
+        """After every engine-loop iteration (commands, then a step), drain the core's KV events
+        (``EngineCore.take_kv_events``; the engine must be built with ``enable_kv_events``) and
+        hand a non-empty list to ``sink`` on the engine thread. ``sink`` must be quick and must
+        not block (e.g. ``IndexPublisher.publish``); its exceptions are logged, never fatal."""
+        self._kv_event_sink = sink
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until every sample finished. Closing the
@@ -172,6 +181,8 @@ class AsyncEngine:
                 while self._commands:
                     self._commands.popleft()()
                 outputs = self.core.step() if self.core.has_unfinished_requests() else []
+                if self._kv_event_sink is not None:
+                    self._drain_kv_events(self._kv_event_sink)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 elif not self._commands:
@@ -181,6 +192,14 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _drain_kv_events(self, sink: Callable[[list[KVCacheEvent]], None]) -> None:
+        events = self.core.take_kv_events()
+        if events:
+            try:
+                sink(events)
+            except Exception:  # noqa: BLE001 - the index is advisory; serving goes on
+                log.exception("KV event sink failed; %d events dropped", len(events))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

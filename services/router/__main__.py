@@ -19,6 +19,7 @@ import sys
 
 from services.common.engine_flags import add_engine_arguments, engine_args_from
 from services.common.settings import add_env_argument
+from services.index.settings import add_redis_url_argument
 from services.router.app import RouterConfig, build_backend, run_router
 
 
@@ -37,6 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="how prefill workers send KV to decode workers")
     add_env_argument(parser, "--drain-grace-s", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM")
+    add_redis_url_argument(parser, "Redis of the prefix index the workers publish to "
+                                   "(services/index; empty: none)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.colocated and (args.prefill or args.decode):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -27,12 +28,14 @@ from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
 from services.common.grpc_server import AddServicer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
+from services.index.schema import IndexMetaMismatch
+from services.worker.index_publisher import WorkerIndexPublisher
 from services.worker.kv import transfer_methods
 from services.worker.settings import apply_cpu_settings
 from services.worker.stats import WORKER_SERVICE_NAME, TransferCounters, WorkerStatsServicer
 
 log = logging.getLogger(__name__)
-STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, OSError)
+STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, OSError, IndexMetaMismatch)
 
 
 @dataclass
@@ -74,7 +77,10 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
 
     def make_core() -> EngineCore:
         loaded = load_model(args.model)
-        return EngineCore(engine_args.build(loaded.config, role), loaded)
+        config = engine_args.build(loaded.config, role)
+        if getattr(args, "redis_url", ""):  # the prefix index follows the cache through its events
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_events=True))
+        return EngineCore(config, loaded)
 
     engine = AsyncEngine()
     core = await engine.build(make_core)
@@ -84,6 +90,7 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
     args = runtime.args
+    index: WorkerIndexPublisher | None = None
     try:
         servicers = await handler.start()
         engine = runtime.engine
@@ -100,9 +107,14 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
             service_names=[*handler.service_names, WORKER_SERVICE_NAME])
         log.info("%s worker %s serving on %s (transfer %s, %d KV blocks)", runtime.role.value,
                  runtime.worker_id, server.address, args.transfer, engine.stats().num_total_blocks)
+        if getattr(args, "redis_url", ""):
+            index = WorkerIndexPublisher(runtime, server.address)
+            await index.start()
         print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:
+        if index is not None:
+            await index.close()
         await handler.close()
         runtime.engine.stop()
         log.info("%s worker %s stopped", runtime.role.value, runtime.worker_id)

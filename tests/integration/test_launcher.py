@@ -64,7 +64,8 @@ def test_up_serves_then_drains_on_sigterm_without_orphans(tmp_path, loaded_model
         assert line == f"ready http=127.0.0.1:{http_port} grpc=127.0.0.1:{grpc_port}\n", \
             proc.stderr.read() if proc.poll() is not None else line
         children = _children(proc.pid)
-        assert len(children) == 4  # kvstore, prefill, decode, router
+        assert len(children) == 5  # kvstore, prefill, decode, router, and the index's redis-server
+        assert [Path(f"/proc/{pid}/comm").read_text().strip() for pid in children].count("redis-server") == 1
 
         prompt = loaded_model.tokenizer.encode("The capital of France is")
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
