@@ -39,40 +39,11 @@ from engine.kv_transfer.base import (
 from engine.kv_transfer.grpc import iter_chunks, pack_blocks, write_packed_range
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import kv_pb2, kv_pb2_grpc
+from services.common.wire import handshake_from_proto, handshake_to_proto
 
-KV_SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # payload per message; the header travels alone
 DEFAULT_PUSH_TIMEOUT_S = 60.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
-
-_MEM_TYPES = {"DRAM": kv_pb2.MEMORY_TYPE_DRAM, "VRAM": kv_pb2.MEMORY_TYPE_VRAM}
-_MEM_NAMES = {v: k for k, v in _MEM_TYPES.items()}
-
-
-def handshake_to_proto(h: KVHandshake) -> kv_pb2.KVHandshake:
-    c, r = h.compat, h.region
-    return kv_pb2.KVHandshake(
-        wire_version=h.wire_version,
-        compat=kv_pb2.KVCompat(model_name=c.model_name, dtype=c.dtype, block_size=c.block_size,
-                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                               head_dim=c.head_dim, layout_version=c.layout_version),
-        compat_hash=c.hash, agent_name=h.agent_name, agent_metadata=h.agent_metadata,
-        region=kv_pb2.KVRegion(mem_type=_MEM_TYPES[r.mem_type], base_addr=r.base_addr,
-                               device_id=r.device_id, num_blocks=r.num_blocks,
-                               block_bytes=r.block_bytes))
-
-
-def handshake_from_proto(msg: kv_pb2.KVHandshake) -> KVHandshake:
-    c, r = msg.compat, msg.region
-    return KVHandshake(
-        wire_version=msg.wire_version,
-        compat=KVCompat(model_name=c.model_name, dtype=c.dtype, block_size=c.block_size,
-                        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, layout_version=c.layout_version),
-        agent_name=msg.agent_name, agent_metadata=msg.agent_metadata,
-        region=KVRegion(mem_type=_MEM_NAMES.get(r.mem_type, "DRAM"), base_addr=r.base_addr,
-                        device_id=r.device_id, num_blocks=r.num_blocks,
-                        block_bytes=r.block_bytes))
 
 
 def _local_handshake(model_name: str, kv_cache: torch.Tensor, agent_name: str) -> KVHandshake:

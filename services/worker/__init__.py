@@ -4,5 +4,4 @@
     server.py    the skeleton: load -> AsyncEngine -> gRPC server (+ health, GetStats) -> drain
     stats.py     WorkerService.GetStats
     kv.py        which KV connectors run, and KVPusher (a KVSender on its own thread)
-    convert.py   protobuf <-> engine dataclasses (torch-free; the router uses it too)
 """

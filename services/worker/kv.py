@@ -31,12 +31,9 @@ from engine.kv_transfer.base import (
     TransferHandle,
     TransferState,
 )
-from services.common.pb import worker_pb2
+from services.common.wire import GRPC, NIXL
 
 log = logging.getLogger(__name__)
-NIXL = worker_pb2.KV_TRANSFER_METHOD_NIXL
-GRPC = worker_pb2.KV_TRANSFER_METHOD_GRPC
-METHOD_NAMES = {NIXL: "nixl", GRPC: "grpc"}
 POLL_INTERVAL_S = 0.001  # between polls while transfers are in flight
 
 
