@@ -49,6 +49,12 @@ GRPC = worker_pb2.KV_TRANSFER_METHOD_GRPC
 TRANSFER_METHODS = {"nixl": NIXL, "grpc": GRPC}
 METHOD_NAMES = {value: name for name, value in TRANSFER_METHODS.items()}
 
+
+def transfer_methods(transfer: str) -> list[int]:
+    """The methods a worker started with ``--transfer`` serves, preferred first."""
+    return [NIXL, GRPC] if transfer == "nixl" else [GRPC]
+
+
 _MASK64 = (1 << 64) - 1
 _FINISH_TO_PROTO = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,

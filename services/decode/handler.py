@@ -28,7 +28,6 @@ import grpc
 
 from engine.config import Role
 from services.common.async_engine import EngineDead
-from services.common.kv_transfer_grpc import GrpcKVReceiver
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
@@ -37,9 +36,10 @@ from services.common.wire import (
     logprobs_list_to_proto,
     params_from_proto,
 )
+from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
+from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
-from services.worker.kv import make_receivers
 from services.worker.server import RoleHandler, WorkerRuntime
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from engine.kv_transfer.base import KVTransferError, RemoteInfo
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import kv_pb2_grpc, worker_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
-from services.worker.kv import KVPusher
+from services.prefill.pusher import KVPusher
 
 HANDSHAKE_TIMEOUT_S = 5.0
 

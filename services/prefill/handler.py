@@ -49,11 +49,12 @@ from services.common.wire import (
     logprobs_list_to_proto,
     logprobs_to_proto,
     params_from_proto,
+    transfer_methods,
 )
 from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
+from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
-from services.worker.kv import KVPusher, sender_factories, transfer_methods
 from services.worker.server import RoleHandler, WorkerRuntime
 
 log = logging.getLogger(__name__)

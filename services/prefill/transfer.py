@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from engine.kv_transfer.base import RemoteInfo, TransferHandle, TransferState
-from services.worker.kv import KVPusher
+from services.prefill.pusher import KVPusher
 
 if TYPE_CHECKING:
     from services.prefill.lease import LeaseKeeper

@@ -27,8 +27,7 @@ from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
 from services.common.grpc_server import AddServicer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
-from services.common.wire import WORKER_SERVICE_NAME
-from services.worker.kv import transfer_methods
+from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
 from services.worker.settings import apply_cpu_settings
 from services.worker.stats import WorkerStatsServicer
 

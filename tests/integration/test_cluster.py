@@ -326,13 +326,13 @@ def test_incompatible_decode_peer_is_a_clear_error(cluster, prompt_ids):
     import torch
 
     from services.common.grpc_server import start_grpc_server
-    from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
+    from services.decode.kv_grpc_receiver import KVTransferServicer
+    from services.decode.receivers import make_receivers
 
     prefill = prefills(cluster)[0]
 
     async def scenario():
-        receiver = GrpcKVReceiver("another-model")
-        receiver.register(torch.zeros(4, 30, 2, 32, 3, 64))
+        (receiver,) = make_receivers("grpc", "another-model", torch.zeros(4, 30, 2, 32, 3, 64))
         server = await start_grpc_server(
             [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))])
         try:

@@ -1,7 +1,7 @@
-"""Torch side of the gRPC KV transport: pack blocks into bytes, write byte ranges back.
+"""Packing KV blocks into bytes and writing byte ranges back (the gRPC transport's payload).
 
-The transport itself (streams, deadlines, status codes) is in
-``services/common/kv_transfer_grpc.py``; ``engine/`` never imports grpc.
+The transport itself (streams, deadlines, status codes) is in services/prefill/kv_grpc_sender.py
+and services/decode/kv_grpc_receiver.py; ``engine/`` never imports grpc.
 
 Packed format of ``block_ids = [b0, b1, ...]`` (``block_bytes`` = one block across layers)::
 
