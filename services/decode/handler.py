@@ -27,6 +27,7 @@ import time
 import grpc
 
 from engine.config import Role
+from engine.mathutils import cdiv
 from services.common.async_engine import EngineDead
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
@@ -108,7 +109,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "
-                f"KV blocks; a {len(prompt)}-token prompt needs {-(-len(prompt) // block_size)}")
+                f"KV blocks; a {len(prompt)}-token prompt needs {cdiv(len(prompt), block_size)}")
         self.reservations.add(reservation_id, prompt, params, block_ids)
         return worker_pb2.ReserveBlocksResponse(reservation=worker_pb2.BlockReservation(
             reservation_id=reservation_id, decode_worker_id=self.runtime.worker_id,

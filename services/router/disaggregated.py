@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from engine.mathutils import cdiv
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2
 from services.common.wire import (
@@ -132,7 +133,7 @@ class DisaggregatedBackend(Backend):
             prefill, decode, prefill_call, response = await self._start_prefill(
                 request_id, prompt, proto_params)
             on_prefill = prefill.begin(prefill_tokens=len(prompt))
-            on_decode = decode.begin(blocks=-(-len(prompt) // (decode.stats.block_size or 16)))
+            on_decode = decode.begin(blocks=cdiv(len(prompt), decode.stats.block_size or 16))
             while response.WhichOneof("event") != "first_token":
                 if response.WhichOneof("event") == "reservation":
                     reservation = response.reservation

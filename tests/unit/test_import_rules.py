@@ -83,3 +83,21 @@ def test_services_hold_the_engine_only_in_async_engine():
             if isinstance(node, ast.Attribute) and node.attr == "core":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def test_one_cdiv():
+    """Ceiling division is engine.mathutils.cdiv everywhere outside kernels/ (which imports
+    nothing from the engine and keeps triton's)."""
+    from engine.mathutils import cdiv, round_up
+
+    assert [cdiv(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [round_up(n, 32) for n in (0, 1, 32, 33)] == [0, 32, 32, 64]
+    offenders = []
+    for package in ("engine", "services", "loadtests"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name == "mathutils.py":
+                continue
+            text = path.read_text()
+            if "-(-" in text or "def cdiv" in text or "def _cdiv" in text:
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
