@@ -8,6 +8,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.events import KVCacheEvent
 from engine.kv_cache.manager import KVCacheManager
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
@@ -105,7 +106,8 @@ class EngineCore:
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
         if self.spec is not None:
             self.spec.fill(sched, block_ids)
-        result = self.runner.execute(sched, block_ids, self.spec and self.spec.draft_probs)
+        result = self.runner.execute(sched, block_ids,
+                                     self.spec.draft_probs if self.spec is not None else None)
         if self.spec is not None:
             self.spec.record(sched, result.sampled)
         outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
@@ -178,7 +180,7 @@ class EngineCore:
             self.abort_request(request_id)
 
     @property
-    def kv_cache(self):
+    def kv_cache(self) -> torch.Tensor:
         """The KV cache tensor (``engine.kv_cache.storage`` layout), for KV connectors to register."""
         return self.runner.kv_cache
 
@@ -193,11 +195,11 @@ class EngineCore:
                            self.config.cache.block_size, len(self.scheduler.running),
                            len(self.scheduler.waiting), outstanding)
 
-    def spec_stats(self) -> dict | None:
+    def spec_stats(self) -> dict[str, object] | None:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
         return self.spec.stats() if self.spec is not None else None
 
-    def take_kv_events(self) -> list:
+    def take_kv_events(self) -> list[KVCacheEvent]:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""
         return self.kv_manager.take_events()
 

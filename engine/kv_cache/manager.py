@@ -111,7 +111,8 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} already holds {len(blocks)} blocks; "
                              f"new_computed_blocks are only for its first allocation")
         if num_computed_tokens is None:
-            num_computed_tokens = state.num_tokens if blocks else len(new_computed_blocks) * bs
+            num_computed_tokens = (state.num_tokens if state is not None and blocks
+                                   else len(new_computed_blocks) * bs)
         if not 0 <= num_computed_tokens <= num_total_tokens:
             raise ValueError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} "
                              f"must be in [0, num_total_tokens={num_total_tokens}] (pass it explicitly, "

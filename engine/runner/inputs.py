@@ -76,7 +76,9 @@ def build_model_input(seqs: list[ScheduledSeq], block_size: int,
         np.arange(cu_seqlens_q[i + 1] - s.num_logits, cu_seqlens_q[i + 1], dtype=np.int64)
         for i, s in enumerate(seqs)
     ])
-    to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
     attn = AttentionMetadata(
         slot_mapping=to(slot_mapping),
         block_tables=to(block_tables),
