@@ -12,8 +12,8 @@ from engine.config import Role
 from engine.core import EngineCore
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
 from engine.sampling.logprobs import PositionLogprobs
+from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]

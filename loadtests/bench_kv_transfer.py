@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -263,8 +264,8 @@ def memcpy_rows(num_blocks: int, plan: Plan, repeats: int) -> list[Row]:
         for n, (src_ids, _) in plan.items():
             index = torch.tensor(src_ids)
             out = torch.empty(n, BLOCK_BYTES, dtype=torch.uint8)
-            copies = {"memcpy (copy)": lambda: out.copy_(cache[:n]),
-                      "memcpy (gather)": lambda: torch.index_select(cache, 0, index, out=out)}
+            copies = {"memcpy (copy)": functools.partial(out.copy_, cache[:n]),
+                      "memcpy (gather)": functools.partial(torch.index_select, cache, 0, index, out=out)}
             for label, copy in copies.items():
                 row = Row(label, n)
                 for i in range(1 + repeats):  # the first touches the output's pages

@@ -19,7 +19,8 @@ import contextlib
 import json
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.kv_transfer.base import (
     KVCompat,

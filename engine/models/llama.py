@@ -9,7 +9,6 @@ handful of kernels per layer with q/k/v and gate/up fused into one matmul each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 import torch

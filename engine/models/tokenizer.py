@@ -32,7 +32,8 @@ _TOKEN_TYPE_USER_DEFINED = 4
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 # How llama.cpp splits text before BPE, by ``tokenizer.ggml.pre``; names not listed get GPT-2's
-# regex (the ByteLevel pre-tokenizer's own), as 'gpt2' and 'default' do. Starcoder-family vocabularies (SmolLM included) first cut
+# regex (the ByteLevel pre-tokenizer's own), as 'gpt2' and 'default' do. Starcoder-family vocabularies
+# (SmolLM included) first cut
 # every digit apart (llama.cpp's "\p{N}" pass, HF's Digits(individual_digits=True)); it matters for
 # whitespace before a digit: "x  1" keeps its two spaces as one token.
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig, Role, SchedulerConfig
-from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.block_pool import KVBlock
+from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler.forks import PendingForks
