@@ -22,6 +22,8 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from google.protobuf.descriptor import FileDescriptor
+
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, kv_pb2, worker_pb2
@@ -30,8 +32,8 @@ if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
     from engine.sampling.logprobs import PositionLogprobs
 
 
-def _service(file_descriptor: object, name: str) -> str:
-    return file_descriptor.services_by_name[name].full_name  # type: ignore[attr-defined]
+def _service(file_descriptor: FileDescriptor, name: str) -> str:
+    return file_descriptor.services_by_name[name].full_name
 
 
 GENERATE_SERVICE_NAME = _service(generate_pb2.DESCRIPTOR, "GenerateService")
