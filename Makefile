@@ -5,7 +5,7 @@ STAMP   := .venv/.pdserve-installed
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: up test test-fast bench clean-venv
+.PHONY: up lint test test-fast bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -26,10 +26,15 @@ $(STAMP): pyproject.toml Makefile
 up: $(STAMP)
 	$(PY) -m services.cli up
 
-test: $(STAMP)
+# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)

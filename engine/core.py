@@ -107,7 +107,8 @@ class EngineCore:
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
         if self.spec is not None:
             self.spec.fill(sched, block_ids)
-        result = self.runner.execute(sched, block_ids, self.spec and self.spec.draft_probs)
+        result = self.runner.execute(sched, block_ids,
+                                     self.spec.draft_probs if self.spec is not None else None)
         if self.spec is not None:
             self.spec.record(sched, result.sampled)
         outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
@@ -182,7 +183,7 @@ class EngineCore:
             self.abort_request(request_id)
 
     @property
-    def kv_cache(self):
+    def kv_cache(self) -> torch.Tensor:
         """The KV cache tensor (``engine.kv_cache.storage`` layout), for KV connectors to register."""
         return self.runner.kv_cache
 
@@ -197,7 +198,7 @@ class EngineCore:
                            self.config.cache.block_size, len(self.scheduler.running),
                            len(self.scheduler.waiting), outstanding)
 
-    def spec_stats(self) -> dict | None:
+    def spec_stats(self) -> dict[str, object] | None:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
         return self.spec.stats() if self.spec is not None else None
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from engine.args import EngineArgs
 from engine.config import Role
 from engine.core import EngineCore
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling.logprobs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
+
+Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
+Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 @dataclass
@@ -23,7 +27,7 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -33,7 +37,7 @@ class GenerationOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
 
     @property
@@ -53,7 +57,7 @@ class StreamDelta:
     sample_index: int
     token_ids: list[int]
     text: str
-    logprobs: list | None
+    logprobs: list[PositionLogprobs] | None
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -74,8 +78,7 @@ class LLM:
         self.engine = EngineCore(config, loaded)
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompts, params: Params = None,
                  ) -> list[GenerationOutput]:
         """Generate for each prompt (text or token ids). Returns results in prompt order."""
         prompt_ids, params_list = self._normalise(prompts, params)
@@ -91,22 +94,22 @@ class LLM:
                 completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
         return results
 
-    def stream(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-               params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def stream(self, prompts: Prompts, params: Params = None,
                ) -> Iterator[StreamDelta]:
         """Yield each sample's new tokens and text as the engine produces them. Text is held
         back while it could still be the start of a stop string."""
         prompt_ids, params_list = self._normalise(prompts, params)
         yield from self._run(prompt_ids, params_list, None)
 
-    def _normalise(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+    def _normalise(self, prompts: Prompts, params: Params
+                   ) -> tuple[list[list[int]], list[SamplingParams]]:
+        one = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        prompt_list = cast("list[str | Sequence[int]]", [prompts] if one else list(prompts))
         params = SamplingParams() if params is None else params
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompt_list)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list]
         return prompt_ids, params_list
 
     def _run(self, prompt_ids: list[list[int]], params_list: list[SamplingParams],

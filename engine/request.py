@@ -11,12 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from engine.kv_cache.hashing import BlockHash
+    from engine.sampling.logprobs import PositionLogprobs
     from engine.sampling_params import SamplingParams
 
 
@@ -39,7 +40,7 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort", "error", "prefilled")
 
 
-class TokenView(Sequence):
+class TokenView(Sequence[int]):
     """Consecutive token lists read as one sequence without concatenating them: indexing and
     slicing copy only what is read, so per-step readers stay O(slice), not O(context)."""
 
@@ -51,7 +52,7 @@ class TokenView(Sequence):
     def __len__(self) -> int:
         return sum(len(part) for part in self._parts)
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | slice) -> Any:  # int for an index, list[int] for a slice
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step != 1:
@@ -113,7 +114,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.error: str | None = None
-        self.prompt_logprobs: list | None = None  # accumulated over prefill chunks
+        # accumulated over prefill chunks; None at position 0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 MAX_N = 16  # most parallel samples per request
 MAX_LOGPROBS = 20  # most top-N logprobs per position (OpenAI's limit)
@@ -99,7 +100,7 @@ class SamplingParams:
         (``engine.kv_cache.hashing``): the router and the workers must hash with the same."""
         return () if self.cache_salt is None else (self.cache_salt,)
 
-    def replace(self, **changes: object) -> SamplingParams:
+    def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def for_sample(self, index: int) -> SamplingParams:
@@ -214,7 +215,7 @@ class SamplingParams:
                 _fail(f"bad_words[{i}]", word, "must be a non-empty string")
 
 
-def _fail(name: str, value: object, requirement: str) -> None:
+def _fail(name: str, value: object, requirement: str) -> NoReturn:
     raise ValueError(f"{name} {requirement}, got {value!r}")
 
 
@@ -232,6 +233,7 @@ def _check_int(name: str, value: object) -> None:
 
 def _check_token_id(name: str, token_id: object, vocab_size: int) -> None:
     _check_int(f"{name} token id", token_id)
+    assert isinstance(token_id, int)  # for the type checker: _check_int raised otherwise
     if not 0 <= token_id < vocab_size:
         _fail(name, token_id, f"token ids must be in [0, {vocab_size}) (the vocabulary size)")
 

@@ -10,6 +10,7 @@ peak when the device is in ``PEAKS``.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -75,15 +76,16 @@ def bench_attention(bandwidth: float | None, flops: float | None) -> list[str]:
                     ("decode 4 x 32K (no split)", 4, 32768, 1)]
     for name, batch, ctx, splits in decode_cases:
         args, (q, k, v) = _paged_case(batch, ctx, 1, heads, kv_heads, head_dim, 16, dtype)
-        ours = _time_ms(lambda: paged_attention(*args, num_splits=splits))
-        base = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        ours = _time_ms(functools.partial(paged_attention, *args, num_splits=splits))
+        base = _time_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
         kv_bytes = 2 * batch * ctx * kv_heads * head_dim * k.element_size()
         rows.append(_row(name, ours, base, kv_bytes, "GB/s", bandwidth))
         del args, q, k, v
     for name, batch, seq in [("prefill 4 x 2K causal", 4, 2048), ("prefill 1 x 8K causal", 1, 8192)]:
         args, (q, k, v) = _paged_case(batch, seq, seq, heads, kv_heads, head_dim, 16, dtype)
-        ours = _time_ms(lambda: paged_attention(*args))
-        base = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        ours = _time_ms(functools.partial(paged_attention, *args))
+        base = _time_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True,
+                                          enable_gqa=True))
         causal_flops = 4 * batch * heads * seq * seq * head_dim / 2
         rows.append(_row(name, ours, base, causal_flops, "TFLOP/s", flops))
         del args, q, k, v

@@ -294,7 +294,8 @@ def _workload(op: str, size: int, dims: ModelDims, ops, impl: str) -> Callable[[
     if op == "paged_attention":
         return _attention_workload(size, heads, kv_heads, head_dim, ops)
     if op == "rms_norm":
-        x, residual, weight = torch.randn(size, dims.hidden_size), torch.randn(size, dims.hidden_size), torch.rand(dims.hidden_size)
+        x, residual = torch.randn(size, dims.hidden_size), torch.randn(size, dims.hidden_size)
+        weight = torch.rand(dims.hidden_size)
         return lambda: ops.rms_norm(x, weight, 1e-5, residual)
     if op == "silu_and_mul":
         x = torch.randn(size, 2 * dims.intermediate_size)

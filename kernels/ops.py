@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,13 +34,13 @@ BACKENDS = ("triton", "cpu", "torch")
 
 @dataclass(frozen=True)
 class Ops:
-    rms_norm: Callable
-    rotary: Callable
-    silu_and_mul: Callable
-    store_kv: Callable
-    paged_attention: Callable
-    pack_linear: Callable
-    linear: Callable
+    rms_norm: Callable[..., Any]  # out, or (out, residual_out) when given a residual
+    rotary: Callable[..., None]  # in place on q and k
+    silu_and_mul: Callable[..., torch.Tensor]
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    pack_linear: Callable[[torch.Tensor], Any]  # a weight only ``linear`` reads (backend's own)
+    linear: Callable[[torch.Tensor, Any], torch.Tensor]
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:

@@ -154,11 +154,11 @@ def _reduce_splits_kernel(
     s_valid = offs_s < NUM_SPLITS
     part = (token * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + part * 2, mask=s_valid, other=_NEG_BIG)
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
+    lse = tl.load(part_ml_ptr + part * 2 + 1, mask=s_valid, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                   mask=s_valid[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, axis=0))
-    total = tl.sum(w * l, axis=0)
+    total = tl.sum(w * lse, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < head_dim)
@@ -171,7 +171,7 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreter())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 

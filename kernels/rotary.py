@@ -21,11 +21,16 @@ class RopeScaling(Protocol):
     """The fields read here (``engine.config.RopeScaling`` has them; kernels import nothing
     from the engine)."""
 
-    kind: str  # 'none', 'linear' or 'llama3'
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    @property
+    def kind(self) -> str: ...  # 'none', 'linear' or 'llama3'
+    @property
+    def factor(self) -> float: ...
+    @property
+    def low_freq_factor(self) -> float: ...
+    @property
+    def high_freq_factor(self) -> float: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
 
 
 def build_cos_sin_cache(head_dim: int, max_pos: int, base: float,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -44,7 +45,7 @@ import torch
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache.storage import allocate_kv_cache, bytes_per_block
 from engine.kv_transfer.base import TransferState
-from engine.kv_transfer.grpc import block_bytes_view, pack_blocks
+from engine.kv_transfer.packing import block_bytes_view, pack_blocks
 
 # SmolLM2-135M-Instruct, the default model (see DESIGN.md); only the KV shape matters here.
 MODEL_CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
@@ -119,19 +120,15 @@ def _receiver_main(conn, transport: str, env: dict[str, str], num_blocks: int) -
     """Serve KVTransferService over a zeroed cache; answer ("landed", ...) and ("stop",)."""
     os.environ.update(env)
     from services.common.grpc_server import start_grpc_server
-    from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
     from services.common.pb import kv_pb2_grpc
+    from services.decode.kv_grpc_receiver import KVTransferServicer
+    from services.decode.receivers import make_receivers
 
     async def main() -> None:
         kv_cache = kv_cache_for(num_blocks)
-        fallback = GrpcKVReceiver(MODEL_CONFIG.name)
-        fallback.register(kv_cache)
-        receiver = fallback
-        if transport == "nixl":
-            from engine.kv_transfer.nixl import NixlKVReceiver
-            receiver = NixlKVReceiver(MODEL_CONFIG.name)
-            receiver.register(kv_cache)
-        servicer = KVTransferServicer(fallback, handshake_source=receiver)
+        receivers = make_receivers(transport, MODEL_CONFIG.name, kv_cache)  # (gRPC, NIXL?)
+        receiver = receivers[-1]
+        servicer = KVTransferServicer(receivers[0], handshake_source=receiver)
         server = await start_grpc_server(
             [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, servicer)])
         conn.send(server.port)
@@ -165,13 +162,11 @@ def _sender_main(conn, transport: str, env: dict[str, str], num_blocks: int) -> 
     """Connect to the receiver at the address sent first; answer ("send", ...),
     ("digest", ids) and ("stop",)."""
     os.environ.update(env)
-    from services.common.kv_transfer_grpc import GrpcKVSender, fetch_remote_handshake
+    from services.common.wire import TRANSFER_METHODS
+    from services.prefill.kv_grpc_sender import fetch_remote_handshake
+    from services.prefill.pusher import sender_factories
     kv_cache = random_kv_cache(num_blocks)
-    if transport == "nixl":
-        from engine.kv_transfer.nixl import NixlKVSender
-        sender = NixlKVSender(MODEL_CONFIG.name)
-    else:
-        sender = GrpcKVSender(MODEL_CONFIG.name)
+    sender = sender_factories(transport, MODEL_CONFIG.name)[TRANSFER_METHODS[transport]]()
     sender.register(kv_cache)
     address = conn.recv()
     remote = sender.connect(fetch_remote_handshake(address, sender.handshake_info()), address)
@@ -269,8 +264,8 @@ def memcpy_rows(num_blocks: int, plan: Plan, repeats: int) -> list[Row]:
         for n, (src_ids, _) in plan.items():
             index = torch.tensor(src_ids)
             out = torch.empty(n, BLOCK_BYTES, dtype=torch.uint8)
-            copies = {"memcpy (copy)": lambda: out.copy_(cache[:n]),
-                      "memcpy (gather)": lambda: torch.index_select(cache, 0, index, out=out)}
+            copies = {"memcpy (copy)": functools.partial(out.copy_, cache[:n]),
+                      "memcpy (gather)": functools.partial(torch.index_select, cache, 0, index, out=out)}
             for label, copy in copies.items():
                 row = Row(label, n)
                 for i in range(1 + repeats):  # the first touches the output's pages

@@ -60,7 +60,7 @@ def offline_ms_per_token(loaded, num_threads: int, batches: tuple[int, ...], tok
     for batch in batches:
         batch_prompts = prompts(loaded.tokenizer, 24, batch, salt=batch)
 
-        def run(n: int) -> float:
+        def run(n: int, batch_prompts: list[list[int]] = batch_prompts) -> float:
             t0 = time.perf_counter()
             llm.generate(batch_prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             return time.perf_counter() - t0
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     served: dict[str, dict] = {}
     for mode in modes:
         with running_cluster([*MODES[mode], *args.up_args.split()]) as cluster:
-            row = {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer)) for c in (1, 8)}
+            row = {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer))
+                   for c in (1, 8)}
             if not args.skip_load:
                 for c in map(int, args.load_concurrency.split(",")):
                     n = args.load_requests_c1 if c == 1 else args.load_requests
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             served[mode] = row
 
     print(f"{len(os.sched_getaffinity(0))} CPUs: {cpu_identity()}")
-    print(f"\nstreaming ITL through pdserve up vs the offline engine's per-token time (same threads)")
+    print("\nstreaming ITL through pdserve up vs the offline engine's per-token time (same threads)")
     print(f"{'mode':10s}{'threads':>8s}{'batch':>6s}{'offline ms':>11s}{'ITL p50 ms':>11s}"
           f"{'ITL mean':>9s}{'p50/offline':>12s}")
     for mode in modes:
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             if mode == "colocated":
                 colocated_rate[c] = rate
             failed = ",".join(f"{n}x{s or 'conn'}" for s, n in r["failed"].items()) or "0"
-            ratio = f"  ({rate / colocated_rate[c]:.2f}x colocated)" if mode != "colocated" and colocated_rate.get(c) else ""
+            ratio = (f"  ({rate / colocated_rate[c]:.2f}x colocated)"
+                     if mode != "colocated" and colocated_rate.get(c) else "")
             print(f"{mode:10s}{c:5d}{r['ok'] + sum(r['failed'].values()):5d}{failed:>16s}{rate:10.1f}"
                   f"{percentile(r['ttft'], .5):11.2f}{percentile(r['ttft'], .99):11.2f}"
                   f"{percentile(r['itl'], .5) * 1e3:11.1f}{ratio}")

@@ -15,7 +15,7 @@ free a sequence's blocks in reverse (its tail is evicted before its shared prefi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -47,28 +47,32 @@ class _FreeBlockQueue:
         for block in blocks:
             self.append(block)
 
+    # Between the sentinels every link is set: the ``assert``s below only tell the type checker.
+
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
+        assert last is not None
         block.prev_free, block.next_free = last, self._tail
         last.next_free = self._tail.prev_free = block
         self.num_blocks += 1
 
     def remove(self, block: KVBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev, next_ = block.prev_free, block.next_free
+        assert prev is not None and next_ is not None
+        prev.next_free, next_.prev_free = next_, prev
         block.prev_free = block.next_free = None
         self.num_blocks -= 1
 
     def popleft(self) -> KVBlock:
         block = self._head.next_free
-        if block is self._tail:
+        if block is self._tail or block is None:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVBlock]:
         block = self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free
 

@@ -53,7 +53,7 @@ def _encode_extra_key(key: object) -> bytes:
     return tag + struct.pack("<I", len(payload)) + payload
 
 
-def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()) -> BlockHash:
     """Hash of one block given its parent's hash (``ROOT_HASH`` for the first block).
 
     ``token_ids`` are non-negative ints below 2**32; ``extra_keys`` holds ints, strs or bytes.
@@ -75,7 +75,7 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: t
     return BlockHash(h.digest())
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple = (),
+def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple[object, ...] = (),
                         parent: BlockHash = ROOT_HASH) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids``; a trailing partial block gets none."""
     block_hashes: list[BlockHash] = []
@@ -84,7 +84,7 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int, extra_keys: t
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        extra_keys: tuple = (), root: BlockHash = ROOT_HASH) -> int:
+                        extra_keys: tuple[object, ...] = (), root: BlockHash = ROOT_HASH) -> int:
     """Append to ``block_hashes`` the hashes of blocks of ``token_ids`` that became full since.
 
     ``block_hashes`` must be the hashes of the leading blocks of ``token_ids`` (as a previous

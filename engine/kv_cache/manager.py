@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.events import KVCacheEvent
 from engine.kv_cache.hashing import BlockHash
+from engine.mathutils import cdiv
 
 
 @dataclass(slots=True)
@@ -40,10 +41,6 @@ class _RequestBlocks:
     blocks: list[KVBlock]
     num_cached_blocks: int  # leading blocks already offered to the prefix cache
     num_tokens: int  # tokens the table was last allocated for, lowered by truncate
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -69,7 +66,7 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` could ever fit, with the whole pool to itself."""
-        return _cdiv(num_tokens, self.block_size) <= self.block_pool.num_blocks
+        return cdiv(num_tokens, self.block_size) <= self.block_pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table ([] for an unknown request)."""
@@ -114,13 +111,14 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} already holds {len(blocks)} blocks; "
                              f"new_computed_blocks are only for its first allocation")
         if num_computed_tokens is None:
-            num_computed_tokens = state.num_tokens if blocks else len(new_computed_blocks) * bs
+            num_computed_tokens = (state.num_tokens if state is not None and blocks
+                                   else len(new_computed_blocks) * bs)
         if not 0 <= num_computed_tokens <= num_total_tokens:
             raise ValueError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} "
                              f"must be in [0, num_total_tokens={num_total_tokens}] (pass it explicitly, "
                              f"or truncate() the request after rejecting draft tokens)")
 
-        num_required = _cdiv(num_total_tokens, bs)
+        num_required = cdiv(num_total_tokens, bs)
         num_appended = max(0, num_required - len(blocks) - len(new_computed_blocks))
         cow_indices = [i for i in range(num_computed_tokens // bs, min(num_required, len(blocks)))
                        if self._is_shared(blocks[i]) or blocks[i].block_hash is not None]
@@ -183,7 +181,7 @@ class KVCacheManager:
         Dropped blocks go to the free queue tail-first; cached ones stay cached.
         """
         state = self._require(request_id)
-        num_kept = _cdiv(max(num_tokens, 0), self.block_size)
+        num_kept = cdiv(max(num_tokens, 0), self.block_size)
         dropped = state.blocks[num_kept:]
         del state.blocks[num_kept:]
         self.block_pool.free_blocks(reversed(dropped))

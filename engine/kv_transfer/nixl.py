@@ -19,7 +19,8 @@ import contextlib
 import json
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.kv_transfer.base import (
     KVCompat,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 def import_nixl() -> Any:
     """Return ``nixl._api`` or raise KVTransferError saying why NIXL cannot be used here."""
     try:
-        from nixl import _api  # the `nixl` meta package picks nixl_cu12 / nixl_cu13
+        from nixl import _api  # type: ignore[import-untyped]  # no stubs; the `nixl` meta package picks nixl_cu12 / nixl_cu13
     except Exception as exc:  # ImportError, or a backend wheel whose shared libraries fail
         raise KVTransferError(
             f"NIXL is not usable in this environment ({type(exc).__name__}: {exc}); "
@@ -201,7 +202,7 @@ class NixlKVReceiver(KVReceiver):
         return self._agent.handshake_info()
 
     def completed_requests(self) -> list[KVNotification]:
-        notifications = []
+        notifications: list[KVNotification] = []
         for sender, messages in self._agent.agent.get_new_notifs().items():
             sender = sender.decode() if isinstance(sender, bytes) else sender
             notifications.extend(decode_notification(m, sender) for m in messages)

@@ -31,7 +31,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"the model's chat template is not valid Jinja: {error}") from error
 
-    def render(self, messages: list[dict], add_generation_prompt: bool,
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                special_tokens: Mapping[str, str | None]) -> str:
         """``special_tokens``: the variables HF passes too (bos_token, eos_token, ...); None -> ""."""
         check_messages(messages)

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from engine.mathutils import round_up
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _GGML_TYPES = {member.value for member in GGMLQuantizationType}
@@ -86,7 +88,7 @@ def _parse(buffer: mmap.mmap, path: str, with_tensors: bool) -> GGUFFile:
             raise ValueError(f"{path}: tensor {name} has unknown ggml type {type_id}")
         table.append((name, tuple(reversed(dims)), GGMLQuantizationType(type_id), reader.unpack("<Q")))
     alignment = metadata.get("general.alignment", 32)
-    data_start = -(-reader.pos // alignment) * alignment
+    data_start = round_up(reader.pos, alignment)
     raw = np.frombuffer(buffer, dtype=np.uint8)
     tensors = []
     for name, shape, ggml_type, offset in table:

@@ -133,7 +133,9 @@ def unpermute_rope_rows(weight: ArrayT, num_heads: int) -> ArrayT:
     """
     head_dim = weight.shape[0] // num_heads
     rest = tuple(weight.shape[1:])
-    return weight.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(tuple(weight.shape))
+    swapped = weight.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2)
+    result: ArrayT = swapped.reshape(tuple(weight.shape))
+    return result
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling:

@@ -101,8 +101,9 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def _architecture(config: dict[str, Any], model_dir: Path) -> str:
-    names = config.get("architectures") or [_MODEL_TYPES.get(config.get("model_type"), config.get("model_type"))]
-    supported = [name for name in names if name in SUPPORTED_ARCHITECTURES]
+    model_type = str(config.get("model_type"))
+    names = config.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
+    supported = [str(name) for name in names if name in SUPPORTED_ARCHITECTURES]
     if not supported:
         raise ValueError(f"{model_dir / 'config.json'}: architecture {names} is not supported; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)}")
@@ -110,9 +111,10 @@ def _architecture(config: dict[str, Any], model_dir: Path) -> str:
 
 
 def _int(config: dict[str, Any], key: str) -> int:
-    if not isinstance(config.get(key), int) or isinstance(config.get(key), bool):
-        raise ValueError(f"config.json needs an integer {key!r}, got {config.get(key)!r}")
-    return config[key]
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"config.json needs an integer {key!r}, got {value!r}")
+    return value
 
 
 def _uses_sliding_window(config: dict[str, Any], architecture: str) -> bool:

@@ -9,6 +9,7 @@ handful of kernels per layer with q/k/v and gate/up fused into one matmul each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,8 +38,12 @@ class DecoderLayer:
                  "input_norm", "post_attention_norm")
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, ops: Ops) -> None:
-        w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
-        pack = lambda *names: ops.pack_linear(torch.cat([w(n) for n in names]).t())  # noqa: E731
+        def w(name: str) -> torch.Tensor:
+            return weights[f"{prefix}.{name}"]
+
+        def pack(*names: str) -> Any:  # the backend's packed weight (Ops.pack_linear)
+            return ops.pack_linear(torch.cat([w(n) for n in names]).t())
+
         self.qkv_weight = pack("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                "self_attn.v_proj.weight")
         bias_names = [f"{prefix}.self_attn.{p}_proj.bias" for p in "qkv"]
@@ -108,7 +113,7 @@ class LlamaForCausalLM:
             qkv = mm(x, layer.qkv_weight)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -120,8 +125,9 @@ class LlamaForCausalLM:
             hidden = mm(out.reshape(num_tokens, self.q_size), layer.o_weight)
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps, residual)
             hidden = mm(ops.silu_and_mul(mm(x, layer.gate_up_weight)), layer.down_weight)
-        hidden, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
-        return hidden
+        normed: torch.Tensor
+        normed, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
+        return normed
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ _TOKEN_TYPE_USER_DEFINED = 4
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 # How llama.cpp splits text before BPE, by ``tokenizer.ggml.pre``; names not listed get GPT-2's
-# regex (the ByteLevel pre-tokenizer's own), as 'gpt2' and 'default' do. Starcoder-family vocabularies (SmolLM included) first cut
+# regex (the ByteLevel pre-tokenizer's own), as 'gpt2' and 'default' do. Starcoder-family vocabularies
+# (SmolLM included) first cut
 # every digit apart (llama.cpp's "\p{N}" pass, HF's Digits(individual_digits=True)); it matters for
 # whitespace before a digit: "x  1" keeps its two spaces as one token.
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
@@ -106,8 +107,9 @@ class Tokenizer:
         special = {name: _token_content(tokenizer_config.get(name))
                    for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         eos_ids = hf_eos_token_ids(model_dir)
-        if special["eos_token"] is not None and backend.token_to_id(special["eos_token"]) is not None:
-            eos_ids.append(backend.token_to_id(special["eos_token"]))
+        eos_id = backend.token_to_id(special["eos_token"]) if special["eos_token"] is not None else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
         return cls(backend, bos_token=special.pop("bos_token"), eos_token=special.pop("eos_token"),
                    eos_token_ids=end_of_turn_ids(eos_ids, backend, template), chat_template=template,
                    special_tokens=special)
@@ -151,7 +153,7 @@ class Tokenizer:
             raise ValueError(f"token_ids[{negative}] must be a non-negative int, got {ids[negative]}")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's Jinja template,
         as HF's ``apply_chat_template(..., tokenize=False)`` does."""
         check_messages(messages)
@@ -161,12 +163,13 @@ class Tokenizer:
             messages, add_generation_prompt,
             {"bos_token": self._bos_token, "eos_token": self._eos_token, **self._special_tokens})
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat. The template writes any bos itself, so none is added."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:
+        assert self._chat_template is not None  # apply_chat_template checked it
         return ChatTemplate(self._chat_template)
 
 
@@ -211,10 +214,11 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
         elif not set(token) <= letters:  # some converters store raw text; respell it in the byte alphabet
             token = "".join(alphabet[byte] for byte in token.encode("utf-8"))
         vocab.setdefault(token, token_id)
-    pairs = [tuple(merge.split(" ")) for merge in merges]
-    bad = next((merge for merge, pair in zip(merges, pairs) if len(pair) != 2), None)
+    split = [merge.split(" ") for merge in merges]
+    bad = next((merge for merge, parts in zip(merges, split) if len(parts) != 2), None)
     if bad is not None:
         raise ValueError(f"GGUF merge {bad!r} is not two space-separated tokens")
+    pairs = [(first, second) for first, second in split]
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     backend.decoder = decoders.ByteLevel()
     special = [token for token in added if token.special]
@@ -234,7 +238,8 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level  # 'gpt2', 'default' and unknown names: GPT-2's regex
 
 
-def _bos_eos_processor(bos: str | None, eos: str | None, backend: tokenizers.Tokenizer):
+def _bos_eos_processor(bos: str | None, eos: str | None,
+                       backend: tokenizers.Tokenizer) -> processors.TemplateProcessing:
     pieces = ([bos] if bos else []) + ["$A"] + ([eos] if eos else [])
     specials = [(token, backend.token_to_id(token)) for token in (bos, eos) if token]
     return processors.TemplateProcessing(single=" ".join(pieces), special_tokens=specials)

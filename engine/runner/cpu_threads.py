@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # no stubs
 
 _limits = None  # keeps the BLAS limit alive for the life of the process
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.mathutils import cdiv
 from engine.models.llama import AttentionMetadata
 
 
@@ -58,7 +59,7 @@ def build_model_input(seqs: list[ScheduledSeq], block_size: int,
     max_blocks = max(len(s.block_ids) for s in seqs)
     block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
     for i, s in enumerate(seqs):
-        needed = -(-int(seq_lens[i]) // block_size)
+        needed = cdiv(int(seq_lens[i]), block_size)
         if len(s.block_ids) < needed:
             raise ValueError(f"sequence {i} needs {needed} blocks for {seq_lens[i]} tokens, "
                              f"its block table has {len(s.block_ids)}")
@@ -75,7 +76,9 @@ def build_model_input(seqs: list[ScheduledSeq], block_size: int,
         np.arange(cu_seqlens_q[i + 1] - s.num_logits, cu_seqlens_q[i + 1], dtype=np.int64)
         for i, s in enumerate(seqs)
     ])
-    to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
     attn = AttentionMetadata(
         slot_mapping=to(slot_mapping),
         block_tables=to(block_tables),

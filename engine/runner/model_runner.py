@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.storage import allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import LoadedModel
@@ -18,7 +18,7 @@ from engine.request import Request
 from engine.runner.cpu_threads import configure_cpu_threads
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from engine.runner.logit_rows import plan_logit_rows
-from engine.sampling.logprobs import compute_prompt_logprobs
+from engine.sampling.logprobs import PositionLogprobs, compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata
 from engine.sampling.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
@@ -28,7 +28,7 @@ from kernels.calibration import ModelDims
 from kernels.ops import get_ops, select_backend
 
 
-def model_dims(config) -> ModelDims:
+def model_dims(config: ModelConfig) -> ModelDims:
     """The shapes the kernel calibration measures with (``kernels.calibration``)."""
     return ModelDims(config.hidden_size, config.intermediate_size, config.num_heads,
                      config.num_kv_heads, config.head_dim, config.num_layers)
@@ -37,8 +37,9 @@ def model_dims(config) -> ModelDims:
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list] = field(default_factory=dict)  # request id -> [PositionLogprobs]
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # this step's chunk only
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # per request id
+    # this step's chunk only; None at prompt position 0
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -88,9 +89,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
+            num_top = request.sampling_params.prompt_logprobs
+            assert num_top is not None  # plan_logit_rows plans prompt rows only for these
             out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
-                logits[first:first + count], next_ids, request.sampling_params.prompt_logprobs,
-                include_first=start == 0)
+                logits[first:first + count], next_ids, num_top, include_first=start == 0)
         if rows.sample_rows:
             self._sample(logits, rows.sample_rows, out)
         if rows.verify_requests:

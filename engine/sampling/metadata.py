@@ -14,7 +14,7 @@ rest. Unseeded rows share the Sampler's generator.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,17 @@ from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _NO_TRUNCATION = SamplingParams()  # stands in for greedy rows' top-k/top-p/min-p
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The penalty tensors of a batch with at least one penalised row (others stay neutral)."""
+
+    repetition: torch.Tensor  # [B] fp32
+    presence: torch.Tensor  # [B] fp32
+    frequency: torch.Tensor  # [B] fp32
+    prompt_mask: torch.Tensor  # [B, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor  # [B, V] fp32: occurrences in the output so far
 
 
 @dataclass(slots=True)
@@ -40,13 +51,7 @@ class SamplingMetadata:
     max_top_k: int
     top_p: torch.Tensor | None  # [B] fp32; 1.0 is off
     min_p: torch.Tensor | None  # [B] fp32; 0.0 is off
-    # Penalties (all None when no_penalties).
-    no_penalties: bool
-    repetition_penalty: torch.Tensor | None  # [B] fp32
-    presence_penalty: torch.Tensor | None  # [B] fp32
-    frequency_penalty: torch.Tensor | None  # [B] fp32
-    prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt
-    output_counts: torch.Tensor | None  # [B, V] fp32: occurrences in the output so far
+    penalties: Penalties | None  # None when no row has a penalty
     # Masks: sparse bias, sparse bans, dense allow-list only for the rows that have one.
     bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N]) int64
     bias_values: torch.Tensor | None  # [N] fp32
@@ -63,6 +68,10 @@ class SamplingMetadata:
     @property
     def batch_size(self) -> int:
         return len(self.params)
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.penalties is None
 
     @property
     def modifies_logits(self) -> bool:
@@ -97,11 +106,14 @@ class SamplingMetadata:
         top_ps = [p.top_p for p in random_params]
         min_ps = [p.min_p for p in random_params]
 
-        no_penalties = not any(p.has_penalties for p in params)
-        penalties = _penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size,
-                                     device) if not no_penalties else (None,) * 5
+        penalties = (_penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size, device)
+                     if any(p.has_penalties for p in params) else None)
 
-        bias_rows, bias_tokens, bias_values, ban_rows, ban_tokens = [], [], [], [], []
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
         for row, (p, output) in enumerate(zip(params, output_token_ids)):
             if p.logit_bias:
                 bias_rows.extend([row] * len(p.logit_bias))
@@ -115,7 +127,7 @@ class SamplingMetadata:
         if allowed_rows:
             allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool,
                                        device=device)
-            allowed_mask[_flat_index([params[r].allowed_token_ids for r in allowed_rows],
+            allowed_mask[_flat_index([params[r].allowed_token_ids or () for r in allowed_rows],
                                      device)] = True
 
         seeded_generators = _seeded_generators(params, output_token_ids, generators, device)
@@ -134,12 +146,7 @@ class SamplingMetadata:
             max_top_k=max(top_ks, default=0),
             top_p=tensor(top_ps, torch.float32) if any(p < 1.0 for p in top_ps) else None,
             min_p=tensor(min_ps, torch.float32) if any(p > 0.0 for p in min_ps) else None,
-            no_penalties=no_penalties,
-            repetition_penalty=penalties[0],
-            presence_penalty=penalties[1],
-            frequency_penalty=penalties[2],
-            prompt_mask=penalties[3],
-            output_counts=penalties[4],
+            penalties=penalties,
             bias_index=(tensor(bias_rows, torch.int64), tensor(bias_tokens, torch.int64))
             if bias_rows else None,
             bias_values=tensor(bias_values, torch.float32) if bias_rows else None,
@@ -175,8 +182,8 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _on(device: torch.device | str):
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+def _on(device: torch.device | str) -> Callable[[Sequence[object], torch.dtype], torch.Tensor]:
+    def tensor(values: Sequence[object], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
     return tensor
 
@@ -197,24 +204,28 @@ def _banned_token_ids(p: SamplingParams, output: Sequence[int],
     return banned
 
 
-def _penalty_tensors(params, output_token_ids, prompt_token_ids, vocab_size, device):
-    """(repetition [B], presence [B], frequency [B], prompt_mask [B, V], output_counts [B, V])."""
+def _penalty_tensors(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                     prompt_token_ids: Sequence[Sequence[int]], vocab_size: int,
+                     device: torch.device | str) -> Penalties:
     tensor = _on(device)
     # Rows without penalties contribute no tokens, so their rows of the dense tensors stay zero.
-    outputs = [o if p.has_penalties else () for p, o in zip(params, output_token_ids)]
-    prompts = [t if p.repetition_penalty != 1.0 else () for p, t in zip(params, prompt_token_ids)]
+    outputs: list[Sequence[int]] = [o if p.has_penalties else ()
+                                    for p, o in zip(params, output_token_ids)]
+    prompts: list[Sequence[int]] = [t if p.repetition_penalty != 1.0 else ()
+                                    for p, t in zip(params, prompt_token_ids)]
     output_counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
     output_counts.index_put_(_flat_index(outputs, device), torch.ones((), device=device),
                              accumulate=True)
     prompt_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
     prompt_mask[_flat_index(prompts, device)] = True
-    return (tensor([p.repetition_penalty for p in params], torch.float32),
-            tensor([p.presence_penalty for p in params], torch.float32),
-            tensor([p.frequency_penalty for p in params], torch.float32),
-            prompt_mask, output_counts)
+    return Penalties(tensor([p.repetition_penalty for p in params], torch.float32),
+                     tensor([p.presence_penalty for p in params], torch.float32),
+                     tensor([p.frequency_penalty for p in params], torch.float32),
+                     prompt_mask, output_counts)
 
 
-def _flat_index(rows: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat_index(rows: Sequence[Sequence[int]], device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row ids [N], token ids [N]) for every token of every row, built on the CPU in one go
     and moved once."""
     token_ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
@@ -222,7 +233,9 @@ def _flat_index(rows: list[Sequence[int]], device) -> tuple[torch.Tensor, torch.
     return row_ids.to(device), token_ids.to(device)
 
 
-def _seeded_generators(params, output_token_ids, generators, device):
+def _seeded_generators(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                       generators: Sequence[torch.Generator | None] | None,
+                       device: torch.device | str) -> list[torch.Generator | None]:
     """Per-row generators, re-seeded for this step; a generator object is never shared by two
     rows (speculative verification gives one request several rows)."""
     result: list[torch.Generator | None] = []

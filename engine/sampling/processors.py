@@ -25,9 +25,10 @@ NEG_INF = float("-inf")
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Apply every processor to ``logits`` [B, V] fp32 in place; returns it."""
     m = metadata
-    if not m.no_penalties:
-        apply_penalties(logits, m.prompt_mask, m.output_counts, m.repetition_penalty,
-                        m.presence_penalty, m.frequency_penalty)
+    if m.penalties is not None:
+        pen = m.penalties
+        apply_penalties(logits, pen.prompt_mask, pen.output_counts, pen.repetition, pen.presence,
+                        pen.frequency)
     apply_masks(logits, m)
     check_support(logits, m)
     if not m.all_greedy:
@@ -55,9 +56,9 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 
 def apply_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     m = metadata
-    if m.bias_index is not None:
+    if m.bias_index is not None and m.bias_values is not None:  # set together
         logits.index_put_(m.bias_index, m.bias_values, accumulate=True)
-    if m.allowed_rows is not None:
+    if m.allowed_rows is not None and m.allowed_mask is not None:  # set together
         rows = logits[m.allowed_rows]
         logits[m.allowed_rows] = rows.masked_fill(~m.allowed_mask, NEG_INF)
     if m.ban_index is not None:

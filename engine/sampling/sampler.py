@@ -86,6 +86,8 @@ def _working_copy(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
 
 def _logprobs(raw_logits: torch.Tensor, processed: torch.Tensor, sampled: torch.Tensor,
               metadata: SamplingMetadata) -> LogprobsTensors:
+    """Only called when some row asks for logprobs (``max_num_logprobs`` is set)."""
+    assert metadata.max_num_logprobs is not None
     logprobs = None
     if metadata.needs_processed_logprobs:
         logprobs = processed.log_softmax(dim=-1)
@@ -93,4 +95,5 @@ def _logprobs(raw_logits: torch.Tensor, processed: torch.Tensor, sampled: torch.
         raw = raw_logits.to(torch.float32).log_softmax(dim=-1)
         logprobs = raw if logprobs is None else torch.where(
             metadata.raw_logprobs_rows.unsqueeze(1), raw, logprobs)
+    assert logprobs is not None  # each asking row is 'processed' or 'raw'
     return gather_logprobs(logprobs, sampled, metadata.max_num_logprobs)

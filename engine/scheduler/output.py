@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.sampling.logprobs import PositionLogprobs
 
 
 @dataclass(slots=True)
@@ -39,8 +40,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
     stop_reason: int | str | None = None
-    new_logprobs: list | None = None  # per new token, see engine.sampling.logprobs
-    prompt_logprobs: list | None = None
+    new_logprobs: list[PositionLogprobs] | None = None  # per new token
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None at position 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_computed_tokens: int = 0  # KV that exists now (PREFILL: what can be sent)

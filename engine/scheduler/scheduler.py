@@ -17,13 +17,19 @@ whose KV arrives from elsewhere (WAITING_FOR_REMOTE_KV) once it has landed.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig, Role, SchedulerConfig
+from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler.forks import PendingForks
 from engine.scheduler.output import RequestOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.sampling.logprobs import PositionLogprobs
 
 
 class Scheduler:
@@ -85,7 +91,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
         self._update_block_hashes(request)
-        cached_blocks, num_cached = [], 0
+        cached_blocks: list[KVBlock] = []
+        num_cached = 0
         if self.enable_prefix_caching:
             cached_blocks, num_cached = self.kv_manager.get_computed_blocks(
                 request.block_hashes, request.num_prompt_tokens)
@@ -155,7 +162,8 @@ class Scheduler:
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
-            computed_blocks, num_computed = [], request.num_computed_tokens
+            computed_blocks: list[KVBlock] = []
+            num_computed = request.num_computed_tokens
             # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
             if (num_computed == 0 and self.enable_prefix_caching
                     and request.sampling_params.prompt_logprobs is None):
@@ -195,7 +203,7 @@ class Scheduler:
         return True
 
     def _allocate_queued(self, request: Request, num_total_tokens: int,
-                         computed_blocks: list, num_computed: int) -> bool:
+                         computed_blocks: list[KVBlock], num_computed: int) -> bool:
         """Blocks for a queued request to be admitted. When there are none and nothing runs
         that would free some, requests queued behind it with landed KV give theirs up."""
         while self.kv_manager.allocate_slots(request.request_id, num_total_tokens,
@@ -267,8 +275,9 @@ class Scheduler:
     # ---- update ----------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
-               logprobs: dict[str, list] | None = None,
-               prompt_logprobs: dict[str, list] | None = None) -> list[RequestOutput]:
+               logprobs: dict[str, list[PositionLogprobs]] | None = None,
+               prompt_logprobs: dict[str, list[PositionLogprobs | None]] | None = None
+               ) -> list[RequestOutput]:
         """Advance token accounting after a step. ``sampled[request_id]`` holds the tokens
         accepted this step (one, or accepted drafts + recovered/bonus); requests still
         prefilling have none."""
@@ -307,7 +316,7 @@ class Scheduler:
             outputs.append(output)
         return outputs
 
-    def _with_forks(self, out: SchedulerOutput):
+    def _with_forks(self, out: SchedulerOutput) -> Iterator[Request]:
         """The step's requests, each followed by the samples forked from it this step. They
         fork before the parent's own update, which may finish it and free its blocks."""
         for request in out.scheduled:

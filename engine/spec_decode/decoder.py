@@ -13,6 +13,8 @@ Per step (EngineCore.step)::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.config import CacheConfig, SpecConfig
@@ -21,6 +23,9 @@ from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.adaptive import AdaptiveK, AdaptiveKConfig
 from engine.spec_decode.model_drafter import DraftModelDrafter, LayerSkipDrafter
 from engine.spec_decode.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from engine.runner.model_runner import ModelRunner
 
 PLACEHOLDER_TOKEN = 0  # a model drafter's slot before fill() writes the real draft
 # The target's extra cost per verified draft position, as a fraction of a one-token decode step
@@ -34,10 +39,10 @@ VERIFY_BATCH_KNEE = 3.0
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, runner, cache_config: CacheConfig) -> None:
+    def __init__(self, config: SpecConfig, runner: ModelRunner, cache_config: CacheConfig) -> None:
         self.config = config
         model = runner.model
-        self.drafter = None
+        self.drafter: LayerSkipDrafter | DraftModelDrafter | None = None
         draft_cost = 0.0  # n-gram lookup: free next to a forward
         if config.method == "layer-skip":
             num_layers = config.num_layers or max(1, model.config.num_layers // 4)
@@ -96,7 +101,7 @@ class SpecDecoder:
             if self.drafter is not None and request.spec_token_ids:
                 drafted.append(request)
                 ks.append(len(request.spec_token_ids))
-        if not drafted:
+        if not drafted or self.drafter is None:
             return
         for request, proposal in zip(drafted, self.drafter.draft(drafted, ks, block_ids)):
             request.spec_token_ids = proposal.draft_token_ids
@@ -114,7 +119,7 @@ class SpecDecoder:
         if self.drafter is not None:
             self.drafter.remove(request_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         """Proposed / accepted drafts per position and the mean accepted length per step."""
         a = self.adaptive
         return {"num_spec_steps": a.num_spec_steps,

@@ -49,7 +49,8 @@ def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> l
     if best_end < 0:
         return []
     # Period P = L - e: beyond the end, the draft repeats the P tokens after the match.
-    return np.resize(tokens[best_end:], k).tolist()
+    draft: list[int] = np.resize(tokens[best_end:], k).tolist()
+    return draft
 
 
 class NgramProposer(Proposer):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

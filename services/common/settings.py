@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ENV_PREFIX = "PDSERVE_"
 _TRUE = {"1", "true", "yes", "on"}

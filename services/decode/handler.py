@@ -29,22 +29,24 @@ import time
 import grpc
 
 from engine.config import Role
+from engine.mathutils import cdiv
 from services.common.async_engine import EngineDead
-from services.common.kv_transfer_grpc import KV_SERVICE_NAME, GrpcKVReceiver
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.decode.kv_guard import GuardedKVTransferServicer
-from services.decode.reservations import LeaseState, Reservation, ReservationTable
-from services.worker.convert import (
+from services.common.wire import (
+    DECODE_SERVICE_NAME,
+    KV_SERVICE_NAME,
     finish_to_proto,
     logprobs_list_to_proto,
     params_from_proto,
 )
-from services.worker.kv import make_receivers
+from services.decode.kv_grpc_receiver import GrpcKVReceiver
+from services.decode.kv_guard import GuardedKVTransferServicer
+from services.decode.receivers import make_receivers
+from services.decode.reservations import LeaseState, Reservation, ReservationTable
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import TransferCounters
 
 log = logging.getLogger(__name__)
-DECODE_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 PUSH_DRAIN_TIMEOUT_S = 10.0  # a release waits this long for gRPC pushes in progress
 BUSY_POLL_S, IDLE_POLL_S = 0.002, 0.02  # notification polling, with / without KV expected
 
@@ -94,9 +96,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"ReserveBlocks: {reservation_id!r} is already reserved")
         try:
-            # reserve_remote validates but keeps the caller's params: tokenize bad words here.
-            params = params_from_proto(request.sampling_params).with_bad_words_tokenized(
-                self.engine.tokenizer.encode)
+            params = params_from_proto(request.sampling_params)  # bad words come tokenized
             reserving = asyncio.ensure_future(
                 self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
             try:
@@ -113,7 +113,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "
-                f"KV blocks; a {len(prompt)}-token prompt needs {-(-len(prompt) // block_size)}")
+                f"KV blocks; a {len(prompt)}-token prompt needs {cdiv(len(prompt), block_size)}")
         self.transfer_counters.num_blocks_skipped_cached += reserved.num_cached_blocks
         # Only the blocks after the cached prefix are written (and awaited); the cached ones
         # are shared with the prefix cache, so no push may touch them.
@@ -162,14 +162,11 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         finished = handed_over = False
         try:
             vocab_size = self.engine.config.model.vocab_size
-            first_token = self._check_tokens(request, reservation, vocab_size)
-            if first_token is None:
+            first_token = request.first_token_id
+            if first_token >= vocab_size:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"Decode: token_ids must be the reserved {len(reservation.prompt_token_ids)}-token "
-                    f"prompt followed by exactly one token in [0, {vocab_size}) (the first token), "
-                    f"and num_prompt_tokens must match; got {len(request.token_ids)} tokens, "
-                    f"num_prompt_tokens={request.num_prompt_tokens}")
+                    f"Decode: first_token_id must be in [0, {vocab_size}), got {first_token}")
             claimed_at = time.monotonic()
             await self._wait_landed(reservation, context)
             log.debug("request %s: KV landed %.3f s after the Decode call arrived", request_id,
@@ -198,17 +195,6 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 self._give_up(reservation)
 
     # ---- helpers ---------------------------------------------------------------------
-
-    @staticmethod
-    def _check_tokens(request: worker_pb2.DecodeRequest, reservation: Reservation,
-                      vocab_size: int) -> int | None:
-        """The first token, or None when the request does not match its reservation."""
-        prompt = reservation.prompt_token_ids
-        token_ids = list(request.token_ids)
-        if (len(token_ids) != len(prompt) + 1 or token_ids[:-1] != prompt
-                or request.num_prompt_tokens != len(prompt) or token_ids[-1] >= vocab_size):
-            return None
-        return token_ids[-1]
 
     async def _wait_landed(self, reservation: Reservation, context: grpc.aio.ServicerContext) -> None:
         """Until every reserved block has landed; aborts the RPC on release or when the lease

@@ -1,6 +1,6 @@
 """KVTransferService for a decode worker: gRPC pushes may only write into live reservations.
 
-The shared servicer (services/common/kv_transfer_grpc.py) writes wherever a header points.
+The plain servicer (kv_grpc_receiver.py) writes wherever a header points.
 Here the header is checked against the reservation table first, and the push is counted
 while it runs, so released blocks are never written and a release waits for pushes in progress.
 """
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.kv_transfer.base import KVReceiver
-from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
 from services.common.pb import kv_pb2
+from services.decode.kv_grpc_receiver import GrpcKVReceiver, KVTransferServicer
 from services.decode.reservations import ReservationTable
 
 

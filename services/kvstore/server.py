@@ -16,8 +16,8 @@ import grpc
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KV_WIRE_VERSION, KVHandshake, KVRegion
-from services.common.kv_transfer_grpc import handshake_from_proto, handshake_to_proto
 from services.common.pb import kv_pb2, kvstore_pb2, kvstore_pb2_grpc
+from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.kvstore.leases import Lease
 from services.kvstore.nixl_host import NixlHost
 from services.kvstore.store import BlockStore, MissingBlocksError

@@ -13,9 +13,9 @@ import grpc
 
 from engine.kv_transfer.base import KVTransferError, RemoteInfo
 from services.common.grpc_server import MAX_MESSAGE_BYTES
-from services.common.kv_transfer_grpc import handshake_from_proto, handshake_to_proto
 from services.common.pb import kv_pb2_grpc, worker_pb2_grpc
-from services.worker.kv import KVPusher
+from services.common.wire import handshake_from_proto, handshake_to_proto
+from services.prefill.pusher import KVPusher
 
 HANDSHAKE_TIMEOUT_S = 5.0
 

@@ -41,17 +41,24 @@ from engine.kv_transfer.base import KVTransferError
 from engine.sampling_params import SamplingParams
 from services.common.async_engine import EngineDead
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.wire import (
+    FAILED_PEER_KEY,
+    METHOD_NAMES,
+    PREFILL_SERVICE_NAME,
+    finish_to_proto,
+    logprobs_list_to_proto,
+    logprobs_to_proto,
+    params_from_proto,
+    transfer_methods,
+)
 from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
+from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
-from services.worker.convert import finish_to_proto, logprobs_list_to_proto, logprobs_to_proto, params_from_proto
-from services.worker.kv import METHOD_NAMES, KVPusher, sender_factories, transfer_methods
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import TransferCounters
 
 log = logging.getLogger(__name__)
-PREFILL_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-FAILED_PEER_KEY = "pdserve-failed-peer"
 RESERVE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 2.0
 SETTLE_TIMEOUT_S = 10.0
@@ -215,7 +222,7 @@ class _PrefillJob:
             sent_at = time.monotonic()
             reply = await self.peer.decode.ReserveBlocks(worker_pb2.ReserveBlocksRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt,
-                sampling_params=self.proto_params, num_lookahead_tokens=1), timeout=RESERVE_TIMEOUT_S)
+                sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S)
         except KVTransferError as exc:
             raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
         except grpc.aio.AioRpcError as exc:

@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from engine.kv_transfer.base import RemoteInfo, TransferHandle, TransferState
-from services.worker.kv import KVPusher
+from engine.mathutils import cdiv
+from services.prefill.pusher import KVPusher
 
 if TYPE_CHECKING:
     from services.prefill.lease import LeaseKeeper
@@ -35,7 +36,7 @@ class RequestTransfer:
     def __init__(self, pusher: KVPusher, remote: RemoteInfo, request_id: str,
                  dst_block_ids: Sequence[int], block_size: int, num_prompt_tokens: int,
                  lease: LeaseKeeper, num_cached_blocks: int = 0) -> None:
-        num_prompt_blocks = -(-num_prompt_tokens // block_size)
+        num_prompt_blocks = cdiv(num_prompt_tokens, block_size)
         if len(dst_block_ids) != num_prompt_blocks:
             raise TransferFailed(f"the decode worker reserved {len(dst_block_ids)} blocks for a "
                                  f"{num_prompt_tokens}-token prompt; {num_prompt_blocks} are needed "

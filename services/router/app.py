@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from engine.args import EngineArgs
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
+from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
 from services.router.backend import Backend
 from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
-from services.router.grpc_frontend import GENERATE_SERVICE_NAME, GenerateServicer
+from services.router.grpc_frontend import GenerateServicer
 from services.router.openai_http import HttpServer, start_http_server
-from services.worker.stats import WORKER_SERVICE_NAME, WorkerStatsServicer
+from services.worker.stats import WorkerStatsServicer
 
 log = logging.getLogger("pdserve.router")
 HEALTH_POLL_S = 1.0  # how often the backend's health is mirrored into grpc.health.v1

@@ -30,22 +30,22 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from engine.mathutils import cdiv
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2
-from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
-from services.router.policy import LoadPolicy, RoutingPolicy
-from services.router.worker_pool import InFlight, Worker, WorkerPool
-from services.worker.convert import (
+from services.common.wire import (
+    FAILED_PEER_KEY,
+    TRANSFER_METHODS,
     finish_from_proto,
     logprobs_from_proto,
     logprobs_list_from_proto,
     params_to_proto,
 )
+from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.policy import LoadPolicy, RoutingPolicy
+from services.router.worker_pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
-TRANSFER_METHODS = {"nixl": worker_pb2.KV_TRANSFER_METHOD_NIXL,
-                    "grpc": worker_pb2.KV_TRANSFER_METHOD_GRPC}
-FAILED_PEER_KEY = "pdserve-failed-peer"  # trailing metadata of a Prefill error caused by the decode worker
 RELEASE_TIMEOUT_S = 2.0
 # Before the first event: another worker may succeed (full, down, or slow to answer).
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
@@ -133,7 +133,7 @@ class DisaggregatedBackend(Backend):
             prefill, decode, prefill_call, response = await self._start_prefill(
                 request_id, prompt, proto_params)
             on_prefill = prefill.begin(prefill_tokens=len(prompt))
-            on_decode = decode.begin(blocks=-(-len(prompt) // (decode.stats.block_size or 16)))
+            on_decode = decode.begin(blocks=cdiv(len(prompt), decode.stats.block_size or 16))
             while response.WhichOneof("event") != "first_token":
                 if response.WhichOneof("event") == "reservation":
                     reservation = response.reservation
@@ -159,9 +159,8 @@ class DisaggregatedBackend(Backend):
                                    f"{request_id!r}")
             prefill_rest = asyncio.ensure_future(self._drain(prefill_call, prefill))
             decode_call = decode.decode.Decode(worker_pb2.DecodeRequest(
-                request_id=request_id, token_ids=[*prompt, first.token_id],
-                num_prompt_tokens=len(prompt), sampling_params=proto_params,
-                reservation_id=reservation.reservation_id), timeout=self.decode_timeout_s)
+                request_id=request_id, reservation_id=reservation.reservation_id,
+                first_token_id=first.token_id), timeout=self.decode_timeout_s)
             while not finished:
                 response = await self._next_decode(decode_call, decode, prefill_rest)
                 finish = finish_from_proto(response.finish_reason)

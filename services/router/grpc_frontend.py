@@ -16,43 +16,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
 from services.router.backend import BackendError, Overloaded
 from services.router.frontend import Frontend, InvalidRequest, RouterState, SampleDelta
 
-if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
-    from engine.sampling.logprobs import PositionLogprobs
-    from services.router.colocated import ColocatedBackend
+if TYPE_CHECKING:
+    pass
 
 log = logging.getLogger(__name__)
-GENERATE_SERVICE_NAME = "pdserve.v1.GenerateService"
-
-_FINISH_REASONS = {None: generate_pb2.FINISH_REASON_UNSPECIFIED,
-                   "stop": generate_pb2.FINISH_REASON_STOP,
-                   "length": generate_pb2.FINISH_REASON_LENGTH}
-# Proto fields whose absence means "engine default" (see generate.proto).
-_OPTIONAL_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "seed", "logprobs",
-                    "prompt_logprobs", "skip_special_tokens")
-
-
-def sampling_params_from_proto(proto: generate_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; unset max_tokens means "until the
-    context is full". spaces_between_special_tokens is accepted and ignored (the tokenizer
-    has no such switch)."""
-    kwargs = {name: getattr(proto, name) for name in _OPTIONAL_FIELDS if proto.HasField(name)}
-    return SamplingParams(
-        **kwargs,
-        max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
-        logit_bias=dict(proto.logit_bias) or None,
-        allowed_token_ids=list(proto.allowed_token_ids) or None,
-        bad_words=list(proto.bad_words) or None,
-        min_tokens=proto.min_tokens, stop=list(proto.stop),
-        stop_token_ids=list(proto.stop_token_ids),
-        include_stop_str_in_output=proto.include_stop_str_in_output, ignore_eos=proto.ignore_eos)
-
-
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, state: RouterState) -> None:
         self.state = state
@@ -67,7 +39,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                 f"this server serves {frontend.model.name!r}")
         try:
             prompt_ids = _tokenize(frontend, request)
-            params = frontend.check(prompt_ids, sampling_params_from_proto(request.sampling_params))
+            params = frontend.check(prompt_ids, params_from_proto(request.sampling_params))
             generation = frontend.generate(prompt_ids, params)
             await generation.start()
         except ValueError as error:  # InvalidRequest, or the backend's verdict
@@ -111,26 +83,16 @@ def _tokenize(frontend: Frontend, request: generate_pb2.GenerateRequest) -> list
 def _response(request_id: str, delta: SampleDelta, frontend: Frontend) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(
         request_id=request_id, index=delta.index, text=delta.text, token_ids=delta.token_ids,
-        finish_reason=_FINISH_REASONS[delta.finish_reason])
-    if delta.logprobs:
-        response.logprobs.extend(_logprobs_proto(entry, frontend) for entry in delta.logprobs)
-    if delta.prompt_logprobs:
-        # Position 0 has no logprobs (nothing predicts it): an empty entry keeps positions aligned.
-        response.prompt_logprobs.extend(
-            generate_pb2.PositionLogprobs() if entry is None else _logprobs_proto(entry, frontend)
-            for entry in delta.prompt_logprobs)
+        finish_reason=finish_to_proto(delta.finish_reason))
+
+    def decode(token_id: int) -> str:
+        return frontend.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    response.logprobs.extend(logprobs_list_to_proto(delta.logprobs, decode))
+    # Position 0 has no logprobs (nothing predicts it): an empty entry keeps positions aligned.
+    response.prompt_logprobs.extend(logprobs_list_to_proto(delta.prompt_logprobs, decode))
     if isinstance(delta.stop_reason, str):
         response.stop_str = delta.stop_reason
     elif isinstance(delta.stop_reason, int):
         response.stop_token_id = delta.stop_reason
     return response
-
-
-def _logprobs_proto(entry: PositionLogprobs, frontend: Frontend) -> generate_pb2.PositionLogprobs:
-    def token(token_id: int, logprob: float, rank: int) -> generate_pb2.TokenLogprob:
-        text = frontend.tokenizer.decode([token_id], skip_special_tokens=False)
-        return generate_pb2.TokenLogprob(token_id=token_id, logprob=logprob, rank=rank, token=text)
-
-    return generate_pb2.PositionLogprobs(
-        sampled=token(entry.token_id, entry.logprob, entry.rank),
-        top=[token(token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(entry.top, 1)])

@@ -4,7 +4,7 @@ Pure functions, no I/O. Parsing checks types and names the offending field; valu
 SamplingParams.validate's job (called by the Frontend once the prompt length is known).
 Fields follow the OpenAI API plus vLLM's extensions (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens,
-allowed_token_ids, bad_words, return_token_ids). Unknown fields are ignored, as vLLM does.
+allowed_token_ids, bad_words, return_token_ids, cache_salt). Unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None,
     kwargs["stop_token_ids"] = _list_of(body, "stop_token_ids", int)
     kwargs["allowed_token_ids"] = _list_of(body, "allowed_token_ids", int)
     kwargs["bad_words"] = _list_of(body, "bad_words", str)
+    kwargs["cache_salt"] = _get(body, "cache_salt", str, None)
     logit_bias = _get(body, "logit_bias", dict, None)
     if logit_bias:
         for key, value in logit_bias.items():

@@ -20,6 +20,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.mathutils import cdiv
+
 
 @dataclass(slots=True)
 class WorkerLoad:
@@ -57,7 +59,7 @@ class LoadPolicy(RoutingPolicy):
 
     def pick_decode(self, workers, prompt_token_ids):
         fitting = [w for w in workers
-                   if w.num_free_blocks >= -(-len(prompt_token_ids) // max(w.block_size, 1))]
+                   if w.num_free_blocks >= cdiv(len(prompt_token_ids), max(w.block_size, 1))]
         return self._pick(fitting or workers,
                           lambda w: (-w.num_free_blocks, w.num_running + w.num_waiting))
 

@@ -28,11 +28,11 @@ from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
 from services.common.grpc_server import AddServicer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
+from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
 from services.index.schema import IndexMetaMismatch
 from services.worker.index_publisher import WorkerIndexPublisher
-from services.worker.kv import transfer_methods
 from services.worker.settings import apply_cpu_settings
-from services.worker.stats import WORKER_SERVICE_NAME, TransferCounters, WorkerStatsServicer
+from services.worker.stats import TransferCounters, WorkerStatsServicer
 
 log = logging.getLogger(__name__)
 STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, OSError, IndexMetaMismatch)

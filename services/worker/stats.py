@@ -17,8 +17,6 @@ from engine.stats import EngineStats
 from services.common.engine_flags import engine_argv
 from services.common.pb import worker_pb2, worker_pb2_grpc
 
-WORKER_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
-
 
 @dataclass
 class TransferCounters:

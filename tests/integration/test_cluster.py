@@ -16,6 +16,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -23,8 +24,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.wire import finish_from_proto, params_to_proto
 from services.router.disaggregated import DisaggregatedBackend
-from services.worker.convert import finish_from_proto, params_to_proto
 from tests.integration.cluster_fixtures import (
     start_router,
     start_worker,
@@ -162,11 +163,13 @@ def test_greedy_matches_offline(cluster, llm, prompt_ids, transfer):
     assert_no_leaks(cluster)
 
 
-def _http_completion(router_process, prompt: list[int], stream: bool) -> tuple[list[int], str]:
-    """(token ids, text) of one /v1/completions call to a router's OpenAI HTTP server."""
+def _http_completion(router_process, prompt: list[int], stream: bool,
+                     **fields: object) -> tuple[list[int], str]:
+    """(token ids, text) of one /v1/completions call to a router's OpenAI HTTP server;
+    ``fields`` go into the body as they are."""
     port = router_process.args[router_process.args.index("--http-port") + 1]
     body = json.dumps({"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0.0,
-                       "stream": stream, "return_token_ids": True}).encode()
+                       "stream": stream, "return_token_ids": True, **fields}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
@@ -194,6 +197,27 @@ def test_http_streaming_and_not_match_offline(cluster, llm, prompt_ids, transfer
         streamed_ids, streamed_text = _http_completion(router(cluster, transfer), ids, stream=True)
         assert plain_ids == want_ids and streamed_ids == want_ids
         assert streamed_text == plain_text == llm.tokenizer.decode(want_ids)
+    assert_no_leaks(cluster)
+
+
+def test_salted_requests_end_to_end_and_an_over_long_salt_is_refused(cluster, llm, prompt_ids):
+    """cache_salt reaches the workers over HTTP and gRPC Generate (it changes which cached KV a
+    request may share, never its tokens); a salt over 256 characters is HTTP 400 /
+    INVALID_ARGUMENT naming cache_salt, and nothing leaks."""
+    salted = GREEDY.replace(cache_salt="tenant-a")
+    expected = offline(llm, prompt_ids[:2], salted)
+    assert [[r[0]] for r in through_router(cluster, "grpc", prompt_ids[:2], salted)] == expected
+    ids, _ = _http_completion(router(cluster, "nixl"), prompt_ids[1], False, cache_salt="tenant-b")
+    assert ids == expected[1][0][0]
+
+    with pytest.raises(urllib.error.HTTPError) as http_error:
+        _http_completion(router(cluster, "nixl"), prompt_ids[0], False, cache_salt="s" * 257)
+    assert http_error.value.code == 400
+    assert json.loads(http_error.value.read())["error"]["param"] == "cache_salt"
+    with pytest.raises(grpc.aio.AioRpcError) as grpc_error:
+        through_router(cluster, "grpc", prompt_ids[:1], GREEDY.replace(cache_salt="s" * 257))
+    assert grpc_error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in grpc_error.value.details()
     assert_no_leaks(cluster)
 
 
@@ -302,13 +326,13 @@ def test_incompatible_decode_peer_is_a_clear_error(cluster, prompt_ids):
     import torch
 
     from services.common.grpc_server import start_grpc_server
-    from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
+    from services.decode.kv_grpc_receiver import KVTransferServicer
+    from services.decode.receivers import make_receivers
 
     prefill = prefills(cluster)[0]
 
     async def scenario():
-        receiver = GrpcKVReceiver("another-model")
-        receiver.register(torch.zeros(4, 30, 2, 32, 3, 64))
+        (receiver,) = make_receivers("grpc", "another-model", torch.zeros(4, 30, 2, 32, 3, 64))
         server = await start_grpc_server(
             [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))])
         try:
@@ -342,8 +366,8 @@ def test_unclaimed_or_abandoned_reservations_are_released_after_their_lease(clus
                                                sampling_params=params_to_proto(GREEDY))
 
     def decode_request(request_id, first_token):
-        return worker_pb2.DecodeRequest(request_id=request_id, token_ids=[*prompt, first_token],
-                                        num_prompt_tokens=len(prompt), reservation_id=request_id)
+        return worker_pb2.DecodeRequest(request_id=request_id, reservation_id=request_id,
+                                        first_token_id=first_token)
 
     with grpc.insecure_channel(decode.address) as channel:
         stub = worker_pb2_grpc.DecodeServiceStub(channel)
@@ -360,7 +384,7 @@ def test_unclaimed_or_abandoned_reservations_are_released_after_their_lease(clus
         with pytest.raises(grpc.RpcError) as err:
             next(stub.Decode(decode_request("bad-claim", 10**6), timeout=5))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "exactly one token in [0, 49152)" in err.value.details()
+        assert "first_token_id must be in [0, 49152), got 1000000" in err.value.details()
         time.sleep(LEASE_MS / 1000)
         assert_no_leaks(cluster, timeout_s=2.0)
         with pytest.raises(grpc.RpcError) as err:

@@ -17,9 +17,9 @@ import pytest
 from engine.kv_cache.hashing import hash_request_blocks
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.wire import params_to_proto
 from services.index.client import IndexClient, IndexClientConfig
 from services.index.schema import index_meta_for
-from services.worker.convert import params_to_proto
 from tests.integration.cluster_fixtures import start_worker, stop_all, wait_serving
 
 pytestmark = pytest.mark.slow

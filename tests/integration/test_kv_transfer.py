@@ -28,7 +28,7 @@ from engine.kv_transfer.base import (
     TransferState,
     kv_compat_hash,
 )
-from engine.kv_transfer.grpc import block_bytes_view, iter_chunks, pack_blocks, write_packed_range
+from engine.kv_transfer.packing import block_bytes_view, iter_chunks, pack_blocks, write_packed_range
 
 MODEL = "tiny-test-model"
 # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; a block is 128 KiB in fp32.
@@ -105,14 +105,14 @@ def test_packed_bytes_land_in_destination_blocks(dtype, chunk):
 def _grpc_receiver_main(conn, model_name: str) -> None:
     """Spawned: serve KVTransferService over a zeroed cache; report each landing on ``conn``."""
     from services.common.grpc_server import start_grpc_server
-    from services.common.kv_transfer_grpc import (KV_SERVICE_NAME, GrpcKVReceiver,
-                                                  KVTransferServicer)
     from services.common.pb import kv_pb2_grpc
+    from services.common.wire import KV_SERVICE_NAME
+    from services.decode.kv_grpc_receiver import KVTransferServicer
+    from services.decode.receivers import make_receivers
 
     async def main() -> None:
         kv_cache = torch.zeros(SHAPE)
-        receiver = GrpcKVReceiver(model_name)
-        receiver.register(kv_cache)
+        (receiver,) = make_receivers("grpc", model_name, kv_cache)
         server = await start_grpc_server(
             [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))],
             service_names=[KV_SERVICE_NAME])
@@ -154,7 +154,7 @@ def _landed(conn, timeout_s: float = 30.0) -> tuple[dict, torch.Tensor]:
 
 
 def _grpc_sender(**kwargs):
-    from services.common.kv_transfer_grpc import GrpcKVSender
+    from services.prefill.kv_grpc_sender import GrpcKVSender
     sender = GrpcKVSender(MODEL, **kwargs)
     sender.register(fake_kv_cache(seed=7))
     return sender
@@ -172,7 +172,7 @@ def _wait(sender, handle, timeout_s: float = 30.0) -> TransferState:
     (4 * 1024 * 1024, list(range(40)), list(range(47, 7, -1))),  # 5 MiB: two 4 MiB messages
 ])
 def test_grpc_push_blocks_bytes_exact(grpc_receiver, max_chunk_bytes, src_ids, dst_ids):
-    from services.common.kv_transfer_grpc import fetch_remote_handshake
+    from services.prefill.kv_grpc_sender import fetch_remote_handshake
     address, conn = grpc_receiver
     sender = _grpc_sender(max_chunk_bytes=max_chunk_bytes)
     try:
@@ -189,8 +189,9 @@ def test_grpc_push_blocks_bytes_exact(grpc_receiver, max_chunk_bytes, src_ids, d
 
 
 def test_grpc_handshake_mismatch_names_differing_fields(grpc_receiver):
-    from services.common.kv_transfer_grpc import GrpcKVSender, fetch_remote_handshake, handshake_to_proto
     from services.common.pb import kv_pb2_grpc
+    from services.common.wire import handshake_to_proto
+    from services.prefill.kv_grpc_sender import GrpcKVSender, fetch_remote_handshake
     address, _ = grpc_receiver
     other = GrpcKVSender("another-model")
     other.register(torch.zeros(SHAPE[0], SHAPE[1], 2, 8, SHAPE[4], SHAPE[5], dtype=torch.float16))
@@ -245,7 +246,7 @@ def test_grpc_push_rejects_bad_block_ids_and_foreign_hash(grpc_receiver):
 
 
 def test_grpc_sender_checks_ids_and_reports_deadline(grpc_receiver):
-    from services.common.kv_transfer_grpc import fetch_remote_handshake
+    from services.prefill.kv_grpc_sender import fetch_remote_handshake
     address, _ = grpc_receiver
     sender = _grpc_sender(timeout_s=1e-4)
     try:
@@ -289,17 +290,14 @@ def nixl_import_error() -> str | None:
 def _nixl_receiver_main(conn, env: dict[str, str]) -> None:
     """Spawned: a NIXL receiver whose handshake is served by KVTransferService and sent raw."""
     os.environ.update(env)
-    from engine.kv_transfer.nixl import NixlKVReceiver
     from services.common.grpc_server import start_grpc_server
-    from services.common.kv_transfer_grpc import GrpcKVReceiver, KVTransferServicer
     from services.common.pb import kv_pb2_grpc
+    from services.decode.kv_grpc_receiver import KVTransferServicer
+    from services.decode.receivers import make_receivers
 
     async def main() -> None:
         kv_cache = torch.zeros(SHAPE)
-        receiver = NixlKVReceiver(MODEL)
-        receiver.register(kv_cache)
-        fallback = GrpcKVReceiver(MODEL)
-        fallback.register(kv_cache)
+        fallback, receiver = make_receivers("nixl", MODEL, kv_cache)
         servicer = KVTransferServicer(fallback, handshake_source=receiver)
         server = await start_grpc_server(
             [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, servicer)])
@@ -323,7 +321,7 @@ def _nixl_receiver_main(conn, env: dict[str, str]) -> None:
 def _nixl_sender_main(conn, env: dict[str, str]) -> None:
     os.environ.update(env)
     from engine.kv_transfer.nixl import NixlKVSender
-    from services.common.kv_transfer_grpc import fetch_remote_handshake
+    from services.prefill.kv_grpc_sender import fetch_remote_handshake
     sender = NixlKVSender(MODEL)
     sender.register(fake_kv_cache(seed=11))
     how, payload = conn.recv()

@@ -15,8 +15,8 @@ import torch
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion
-from services.common.kv_transfer_grpc import handshake_to_proto
 from services.common.pb import kvstore_pb2, kvstore_pb2_grpc
+from services.common.wire import handshake_to_proto
 from services.kvstore.client import RECONNECT_BACKOFF_MAX_MS, KVStoreClient
 from tests.integration.cluster_fixtures import WorkerProcess, start_kvstore, stop_all, wait_serving
 

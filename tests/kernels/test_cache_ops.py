@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import (copy_blocks, copy_blocks_ref, gather_blocks, gather_blocks_ref,
-                                scatter_blocks, scatter_blocks_ref)
+from kernels.block_copy import (
+    copy_blocks,
+    copy_blocks_ref,
+    gather_blocks,
+    gather_blocks_ref,
+    scatter_blocks,
+    scatter_blocks_ref,
+)
 from kernels.store_kv import store_kv, store_kv_ref
 from tests.kernels.helpers import DEVICE, make_kv_cache, requires_triton
 

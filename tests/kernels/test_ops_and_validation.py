@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels import cpu as cpu_kernels
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.block_copy import copy_blocks_ref, gather_blocks, gather_blocks_ref, scatter_blocks_ref
 from kernels.ops import BACKEND_ENV, Ops, get_ops, select_backend
 from kernels.paged_attention import paged_attention, paged_attention_ref
@@ -73,7 +73,8 @@ BAD_ATTENTION = {
                                "query must have stride 1"),
     "heads not multiple": (lambda a: a.update(query=a["query"][:, :3]), "multiple of key_cache"),
     "head_dim mismatch": (lambda a: a.update(query=a["query"][..., :8]), "key_cache must have shape"),
-    "value strides": (lambda a: a.update(value_cache=a["value_cache"].contiguous()), "value_cache must have the strides"),
+    "value strides": (lambda a: a.update(value_cache=a["value_cache"].contiguous()),
+                      "value_cache must have the strides"),
     "value dtype": (lambda a: a.update(value_cache=a["value_cache"].half()), "value_cache must have dtype"),
     "block_tables float": (lambda a: a.update(block_tables=a["block_tables"].float()), "block_tables must have dtype"),
     "seq_lens length": (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens must have shape"),

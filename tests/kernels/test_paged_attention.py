@@ -9,8 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.paged_attention import paged_attention, paged_attention_ref
-from tests.kernels.helpers import (DEVICE, assert_close, dense_attention, draw_attention_batch,
-                                   make_attention_case, requires_triton)
+from tests.kernels.helpers import (
+    DEVICE,
+    assert_close,
+    dense_attention,
+    draw_attention_batch,
+    make_attention_case,
+    requires_triton,
+)
 
 # (seq_lens, query_lens): each batch mixes decode (q_len 1), a single-token context, chunks that
 # end exactly on a block boundary (64, 32 with block sizes 16 and 32), prefill on a cached

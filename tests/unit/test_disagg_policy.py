@@ -8,14 +8,14 @@ import pytest
 
 from engine.kv_transfer.base import KVNotification
 from engine.sampling_params import SamplingParams
-from services.decode.reservations import LeaseState, ReservationTable
-from services.router.policy import LoadPolicy, WorkerLoad
-from services.worker.convert import (
+from services.common.wire import (
     logprobs_list_from_proto,
     logprobs_list_to_proto,
     params_from_proto,
     params_to_proto,
 )
+from services.decode.reservations import LeaseState, ReservationTable
+from services.router.policy import LoadPolicy, WorkerLoad
 
 
 def test_prefill_pick_fewest_outstanding_tokens_then_fewest_requests_then_oldest_pick():
@@ -99,7 +99,8 @@ def test_pushes_only_into_live_reservations_and_their_blocks():
                    logprobs=0, prompt_logprobs=4, logit_bias={5: -2.5}, allowed_token_ids=[1, 2],
                    bad_words=["bad"], repetition_penalty=1.25, presence_penalty=0.5,
                    frequency_penalty=-0.5, include_stop_str_in_output=True,
-                   skip_special_tokens=False),
+                   skip_special_tokens=False, cache_salt="tenant-a"),
+    SamplingParams(bad_words=["bad", "worse"], bad_words_token_ids=[[7], [8, 9]]),
 ])
 def test_sampling_params_round_trip(params):
     back = params_from_proto(params_to_proto(params))
@@ -115,3 +116,23 @@ def test_logprobs_round_trip_keeps_none_positions():
     entries = [None, PositionLogprobs(5, -0.5, 1, [(5, -0.5), (9, -1.25)])]
     assert logprobs_list_from_proto(logprobs_list_to_proto(entries)) == entries
     assert logprobs_list_from_proto([]) is None
+
+
+def test_public_logprobs_carry_the_decoded_token():
+    from engine.sampling.logprobs import PositionLogprobs
+
+    (msg,) = logprobs_list_to_proto([PositionLogprobs(5, -0.5, 1, [(5, -0.5), (9, -1.25)])],
+                                    decode=lambda token_id: f"<{token_id}>")
+    assert (msg.sampled.token, msg.sampled.rank) == ("<5>", 1)
+    assert [(t.token, t.rank) for t in msg.top] == [("<5>", 1), ("<9>", 2)]
+
+
+def test_sampling_params_from_a_public_client_read_floats_as_written():
+    """An unset field takes the engine default; a float32 on the wire reads back as the decimal
+    the client wrote; bad words without token ids stay untokenized (the router tokenizes)."""
+    from services.common.pb import generate_pb2
+
+    params = params_from_proto(generate_pb2.SamplingParams(temperature=0.1, bad_words=["x"]))
+    assert params.temperature == 0.1 and params.top_p == 1.0 and params.n == 1
+    assert params.bad_words == ["x"] and params.bad_words_token_ids is None
+    assert params.cache_salt is None

@@ -83,3 +83,48 @@ def test_services_hold_the_engine_only_in_async_engine():
             if isinstance(node, ast.Attribute) and node.attr == "core":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def test_one_cdiv():
+    """Ceiling division is engine.mathutils.cdiv everywhere outside kernels/ (which imports
+    nothing from the engine and keeps triton's)."""
+    from engine.mathutils import cdiv, round_up
+
+    assert [cdiv(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [round_up(n, 32) for n in (0, 1, 32, 33)] == [0, 32, 32, 64]
+    offenders = []
+    for package in ("engine", "services", "loadtests"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name == "mathutils.py":
+                continue
+            text = path.read_text()
+            if "-(-" in text or "def cdiv" in text or "def _cdiv" in text:
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
+
+
+def test_services_import_no_private_engine_names():
+    """``from engine.x import _name`` (or ``engine_module._name``) in services/ couples a service
+    to an engine detail; the engine's public names are its API."""
+    offenders = []
+    for path in (ROOT / "services").rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        engine_modules: set[str] = set()  # local names bound to engine modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "engine":
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}"
+                              for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Import):
+                engine_modules.update(a.asname or a.name.split(".")[0] for a in node.names
+                                      if a.name.split(".")[0] == "engine")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and _root_name(node) in engine_modules):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert offenders == []
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None

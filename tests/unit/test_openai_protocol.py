@@ -30,7 +30,7 @@ def test_completion_request_maps_every_sampling_field():
         "logit_bias": {"7": 3, "-1": -2.5}, "seed": 11, "max_tokens": 20, "min_tokens": 2,
         "stop": "\n", "stop_token_ids": [5], "include_stop_str_in_output": True, "ignore_eos": True,
         "skip_special_tokens": False, "logprobs": 3, "allowed_token_ids": [1, 2], "bad_words": ["x"],
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True})
+        "cache_salt": "tenant-a", "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True})
     p = request.params
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (2, 0.5, 0.9, 40, 0.1)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
@@ -38,6 +38,7 @@ def test_completion_request_maps_every_sampling_field():
     assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs) == (11, 20, 2, 3)
     assert (p.stop, p.stop_token_ids, p.allowed_token_ids, p.bad_words) == (["\n"], [5], [1, 2], ["x"])
     assert p.include_stop_str_in_output and p.ignore_eos and not p.skip_special_tokens
+    assert p.cache_salt == "tenant-a"
     assert request.prompt == "hi" and request.model == "m" and not request.is_chat
     assert request.stream and request.include_usage and request.return_token_ids
 
@@ -77,6 +78,7 @@ def test_prompt_forms(prompt, expected):
      "stream_options.include_usage", "boolean"),
     ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    ({"prompt": "x", "cache_salt": 7}, "cache_salt", "must be a string"),
 ])
 def test_completion_request_errors_name_the_field(body, param, words):
     with pytest.raises(InvalidRequest, match=words) as info:

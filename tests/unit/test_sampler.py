@@ -288,7 +288,7 @@ def test_processed_logprobs_are_log_softmax_after_processors():
     token = out.sampled_token_ids.item()
     assert pos.token_id == token and pos.logprob == pytest.approx(want[token].item(), abs=1e-6)
     assert [t for t, _ in pos.top[:3]] == [1, 3, 0]
-    for (t, lp), w in zip(pos.top[:3], want[[1, 3, 0]].tolist()):
+    for (_, lp), w in zip(pos.top[:3], want[[1, 3, 0]].tolist()):
         assert lp == pytest.approx(w, abs=1e-6)
     assert pos.top[3][1] == -math.inf  # only three tokens are possible
     assert pos.rank == [1, 3, 0].index(token) + 1

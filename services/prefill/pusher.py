@@ -1,11 +1,7 @@
-"""KV-transfer setup for the workers, and the prefill side's sender driven from asyncio.
+"""The prefill worker's KV senders (by ``--transfer``), each driven from asyncio by a KVPusher.
 
-Which connectors a worker runs (``--transfer``):
-
-    nixl: decode serves NixlKVReceiver (its handshake carries NIXL metadata) and the gRPC
-          PushBlocks receiver; prefill runs NixlKVSender and GrpcKVSender. A request names
-          the method it wants (PrefillRequest.transfer_method).
-    grpc: gRPC only, on both sides.
+    nixl: NixlKVSender and GrpcKVSender (a request names the method it wants).
+    grpc: GrpcKVSender only.
 
 A ``KVSender`` must be called from one thread. :class:`KVPusher` gives it a thread of its
 own: the connector is created, registered, connected, sent on and polled there, and each
@@ -25,42 +21,19 @@ import torch
 
 from engine.kv_transfer.base import (
     KVHandshake,
-    KVReceiver,
     KVSender,
     RemoteInfo,
     TransferHandle,
     TransferState,
 )
-from services.common.pb import worker_pb2
+from services.common.wire import GRPC, NIXL
 
 log = logging.getLogger(__name__)
-NIXL = worker_pb2.KV_TRANSFER_METHOD_NIXL
-GRPC = worker_pb2.KV_TRANSFER_METHOD_GRPC
-METHOD_NAMES = {NIXL: "nixl", GRPC: "grpc"}
 POLL_INTERVAL_S = 0.001  # between polls while transfers are in flight
 
 
-def transfer_methods(transfer: str) -> list[int]:
-    """The methods a worker started with ``--transfer`` serves, preferred first."""
-    return [NIXL, GRPC] if transfer == "nixl" else [GRPC]
-
-
-def make_receivers(transfer: str, model_name: str, kv_cache: torch.Tensor) -> tuple[KVReceiver, ...]:
-    """Decode side: (gRPC receiver, NIXL receiver?) registered on ``kv_cache``. Raises
-    KVTransferError (saying to use --transfer grpc) when NIXL is asked for but unusable."""
-    from services.common.kv_transfer_grpc import GrpcKVReceiver
-
-    receivers: list[KVReceiver] = [GrpcKVReceiver(model_name)]
-    if transfer == "nixl":
-        from engine.kv_transfer.nixl import NixlKVReceiver
-        receivers.append(NixlKVReceiver(model_name))
-    for receiver in receivers:
-        receiver.register(kv_cache)
-    return tuple(receivers)
-
-
 def sender_factories(transfer: str, model_name: str) -> dict[int, Callable[[], KVSender]]:
-    from services.common.kv_transfer_grpc import GrpcKVSender
+    from services.prefill.kv_grpc_sender import GrpcKVSender
 
     factories: dict[int, Callable[[], KVSender]] = {GRPC: lambda: GrpcKVSender(model_name)}
     if transfer == "nixl":

@@ -1,7 +1,7 @@
-"""Torch side of the gRPC KV transport: pack blocks into bytes, write byte ranges back.
+"""Packing KV blocks into bytes and writing byte ranges back (the gRPC transport's payload).
 
-The transport itself (streams, deadlines, status codes) is in
-``services/common/kv_transfer_grpc.py``; ``engine/`` never imports grpc.
+The transport itself (streams, deadlines, status codes) is in services/prefill/kv_grpc_sender.py
+and services/decode/kv_grpc_receiver.py; ``engine/`` never imports grpc.
 
 Packed format of ``block_ids = [b0, b1, ...]`` (``block_bytes`` = one block across layers)::
 
@@ -15,10 +15,13 @@ puts one chunk's bytes where they belong in the destination cache.
 from __future__ import annotations
 
 import warnings
-from typing import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+RowsT = TypeVar("RowsT", np.ndarray, torch.Tensor)
 
 
 def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -26,7 +29,7 @@ def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
 
 
-def _block_rows(kv_cache: torch.Tensor):
+def _block_rows(kv_cache: torch.Tensor) -> np.ndarray | torch.Tensor:
     """``block_bytes_view`` as a numpy array for a CPU cache, else the tensor. The copies of a
     transfer run on the caller's thread (gRPC's); numpy copies on that thread alone, where
     torch's index ops would open OpenMP parallel regions there, and a second OpenMP team in
@@ -40,7 +43,8 @@ def pack_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tenso
     """Copy ``kv_cache[block_ids]`` to a flat CPU ``uint8`` tensor (a gather, then one copy)."""
     rows = _block_rows(kv_cache)
     if isinstance(rows, np.ndarray):
-        return torch.from_numpy(rows[np.asarray(block_ids, dtype=np.int64)].reshape(-1))
+        gathered: np.ndarray = rows[np.asarray(block_ids, dtype=np.int64)]
+        return torch.from_numpy(gathered.reshape(-1))
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
     return rows.index_select(0, index).reshape(-1).cpu()
 
@@ -72,24 +76,32 @@ def write_packed_range(kv_cache: torch.Tensor, dst_block_ids: Sequence[int], off
     """
     if not data:
         return
-    cache = _block_rows(kv_cache)
+    rows = _block_rows(kv_cache)
+    if isinstance(rows, np.ndarray):
+        _write_range(rows, np.frombuffer(data, dtype=np.uint8), dst_block_ids, offset, list)
+    else:
+        def index(ids: list[int]) -> torch.Tensor:
+            return torch.tensor(ids, dtype=torch.long, device=rows.device)
+        _write_range(rows, bytes_as_tensor(data).to(rows.device), dst_block_ids, offset, index)
+
+
+def _write_range(cache: RowsT, src: RowsT, dst_block_ids: Sequence[int], offset: int,
+                 index: Callable[[list[int]], Any]) -> None:
+    """``write_packed_range`` on ``cache`` [num_blocks, block_bytes] (numpy or torch alike);
+    ``index(ids)`` makes the index of a run of whole blocks."""
     block_bytes = cache.shape[1]
-    on_host = isinstance(cache, np.ndarray)
-    src = np.frombuffer(data, dtype=np.uint8) if on_host else bytes_as_tensor(data).to(cache.device)
     end = offset + len(src)
     pos = offset
     while pos < end:
-        index, in_block = divmod(pos, block_bytes)
+        block, in_block = divmod(pos, block_bytes)
         if in_block == 0 and end - pos >= block_bytes:  # a run of whole blocks
             num_whole = (end - pos) // block_bytes
-            ids = list(dst_block_ids[index:index + num_whole])
-            if not on_host:
-                ids = torch.tensor(ids, dtype=torch.long, device=cache.device)
+            ids = index(list(dst_block_ids[block:block + num_whole]))
             cache[ids] = src[pos - offset:pos - offset + num_whole * block_bytes].reshape(
                 num_whole, block_bytes)
             pos += num_whole * block_bytes
         else:  # the head or tail of one block
             length = min(block_bytes - in_block, end - pos)
-            cache[dst_block_ids[index], in_block:in_block + length] = src[pos - offset:
+            cache[dst_block_ids[block], in_block:in_block + length] = src[pos - offset:
                                                                           pos - offset + length]
             pos += length

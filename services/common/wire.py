@@ -1,0 +1,219 @@
+"""The wire: every protobuf <-> engine conversion, the gRPC service names and metadata keys, once.
+
+Torch-free at import (the router uses it). ``None`` and "unset" line up with generate.proto's
+``optional`` fields: an unset ``max_tokens`` is ``None`` (until the context is full), an unset
+``n`` is 1, and so on; an empty ``allowed_token_ids`` / ``bad_words`` /
+``bad_words_token_ids`` is ``None``.
+
+Floats travel as proto ``float`` (32 bits). They are read back as the shortest decimal that
+rounds to the same float32 — the number the user wrote (0.1 stays 0.1, not 0.10000000149) —
+so a worker samples exactly as an offline engine given the same parameters.
+
+Logprobs: a :class:`PositionLogprobs` becomes ``PositionLogprobs{sampled, top}`` with ranks
+1.. for the top entries; a ``None`` entry (prompt position 0, which nothing predicts) is sent
+as an empty message (no ``sampled``) and read back as ``None``.
+
+The KV handshake (:class:`KVHandshake`) travels as kv.proto's ``KVHandshake``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from google.protobuf.descriptor import FileDescriptor
+
+from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion
+from engine.sampling_params import SamplingParams
+from services.common.pb import generate_pb2, kv_pb2, worker_pb2
+
+if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
+    from engine.sampling.logprobs import PositionLogprobs
+
+
+def _service(file_descriptor: FileDescriptor, name: str) -> str:
+    return file_descriptor.services_by_name[name].full_name
+
+
+GENERATE_SERVICE_NAME = _service(generate_pb2.DESCRIPTOR, "GenerateService")
+PREFILL_SERVICE_NAME = _service(worker_pb2.DESCRIPTOR, "PrefillService")
+DECODE_SERVICE_NAME = _service(worker_pb2.DESCRIPTOR, "DecodeService")
+WORKER_SERVICE_NAME = _service(worker_pb2.DESCRIPTOR, "WorkerService")
+KV_SERVICE_NAME = _service(kv_pb2.DESCRIPTOR, "KVTransferService")
+# Trailing metadata of a Prefill error that the decode worker caused (value: "decode"), so the
+# router picks another decode worker.
+FAILED_PEER_KEY = "pdserve-failed-peer"
+
+# --transfer names <-> KVTransferMethod
+NIXL = worker_pb2.KV_TRANSFER_METHOD_NIXL
+GRPC = worker_pb2.KV_TRANSFER_METHOD_GRPC
+TRANSFER_METHODS = {"nixl": NIXL, "grpc": GRPC}
+METHOD_NAMES = {value: name for name, value in TRANSFER_METHODS.items()}
+
+
+def transfer_methods(transfer: str) -> list[int]:
+    """The methods a worker started with ``--transfer`` serves, preferred first."""
+    return [NIXL, GRPC] if transfer == "nixl" else [GRPC]
+
+
+_MASK64 = (1 << 64) - 1
+_FINISH_TO_PROTO = {
+    None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+    "abort": generate_pb2.FINISH_REASON_ABORT,
+    "error": generate_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {
+    generate_pb2.FINISH_REASON_UNSPECIFIED: None,
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+}
+# optional fields whose names match SamplingParams
+_OPTIONAL_SCALARS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+                     "cache_salt")
+_FLOATS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty"}
+_FLOAT32 = struct.Struct("<f")
+_MEM_TYPES = {"DRAM": kv_pb2.MEMORY_TYPE_DRAM, "VRAM": kv_pb2.MEMORY_TYPE_VRAM}
+_MEM_NAMES = {v: k for k, v in _MEM_TYPES.items()}
+
+
+def shortest_float32(value: float) -> float:
+    """The shortest decimal (as a Python float) that rounds to the same float32 as ``value``."""
+    target = _FLOAT32.pack(value)
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        candidate = float(f"{value:.{digits}g}")
+        if _FLOAT32.pack(candidate) == target:
+            return candidate
+    return value
+
+
+# ---- sampling params -----------------------------------------------------------------------
+
+def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
+    """Every field the engine uses; ``logprobs_mode`` other than 'processed' is not on the
+    wire yet (ValueError rather than a silent change)."""
+    if params.logprobs_mode != "processed":
+        raise ValueError(f"logprobs_mode={params.logprobs_mode!r} cannot be sent to a worker yet")
+    msg = generate_pb2.SamplingParams(
+        n=params.n, min_tokens=params.min_tokens, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        ignore_eos=params.ignore_eos)
+    for name in (*_OPTIONAL_SCALARS, "max_tokens", "logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
+    if params.seed is not None:
+        msg.seed = params.seed & _MASK64  # negative seeds: same 64 bits, as the sampler masks
+    if params.logit_bias:
+        msg.logit_bias.update({int(k): float(v) for k, v in params.logit_bias.items()})
+    if params.allowed_token_ids is not None:
+        msg.allowed_token_ids.extend(params.allowed_token_ids)
+    if params.bad_words:
+        msg.bad_words.extend(params.bad_words)
+    for sequence in params.bad_words_token_ids or ():
+        msg.bad_words_token_ids.add(ids=sequence)
+    return msg
+
+
+def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams; values are checked later by the engine (ValueError).
+    ``spaces_between_special_tokens`` is accepted and ignored (the tokenizer has no such
+    switch)."""
+    kwargs: dict[str, object] = {
+        "n": msg.n if msg.HasField("n") else 1,
+        "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else None,
+        "min_tokens": msg.min_tokens,
+        "stop": list(msg.stop),
+        "stop_token_ids": list(msg.stop_token_ids),
+        "include_stop_str_in_output": msg.include_stop_str_in_output,
+        "ignore_eos": msg.ignore_eos,
+        "logit_bias": {k: shortest_float32(v) for k, v in msg.logit_bias.items()} or None,
+        "allowed_token_ids": list(msg.allowed_token_ids) or None,
+        "bad_words": list(msg.bad_words) or None,
+        "bad_words_token_ids": [list(s.ids) for s in msg.bad_words_token_ids] or None,
+    }
+    for name in (*_OPTIONAL_SCALARS, "seed", "logprobs", "prompt_logprobs"):
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            kwargs[name] = shortest_float32(value) if name in _FLOATS else value
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+# ---- finish reasons and logprobs -----------------------------------------------------------
+
+def finish_to_proto(reason: str | None) -> generate_pb2.FinishReason.ValueType:
+    """'error' travels as ABORT (the wire has no separate code)."""
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_from_proto(value: int) -> str | None:
+    """An unknown code reads as 'abort'."""
+    return _FINISH_FROM_PROTO.get(value, "abort")  # type: ignore[call-overload]
+
+
+def logprobs_to_proto(entry: PositionLogprobs | None,
+                      decode: Callable[[int], str] | None = None) -> generate_pb2.PositionLogprobs:
+    """``decode(token_id)`` fills ``TokenLogprob.token`` (the public API); None leaves it empty."""
+    if entry is None:
+        return generate_pb2.PositionLogprobs()
+
+    def token(token_id: int, logprob: float, rank: int) -> generate_pb2.TokenLogprob:
+        return generate_pb2.TokenLogprob(token_id=token_id, logprob=logprob, rank=rank,
+                                         token=decode(token_id) if decode is not None else "")
+
+    return generate_pb2.PositionLogprobs(
+        sampled=token(entry.token_id, entry.logprob, entry.rank),
+        top=[token(t, lp, rank) for rank, (t, lp) in enumerate(entry.top, 1)])
+
+
+def logprobs_from_proto(msg: generate_pb2.PositionLogprobs) -> PositionLogprobs | None:
+    if not msg.HasField("sampled"):
+        return None
+    from engine.sampling.logprobs import PositionLogprobs  # only when logprobs were asked for
+    return PositionLogprobs(msg.sampled.token_id, msg.sampled.logprob, msg.sampled.rank,
+                            [(t.token_id, t.logprob) for t in msg.top])
+
+
+def logprobs_list_to_proto(entries: Sequence[PositionLogprobs | None] | None,
+                           decode: Callable[[int], str] | None = None
+                           ) -> list[generate_pb2.PositionLogprobs]:
+    return [logprobs_to_proto(e, decode) for e in entries or ()]
+
+
+def logprobs_list_from_proto(msgs: Sequence[generate_pb2.PositionLogprobs]
+                             ) -> list[PositionLogprobs | None] | None:
+    """None for an empty list (nothing was asked for)."""
+    return [logprobs_from_proto(m) for m in msgs] or None
+
+
+# ---- the KV handshake ----------------------------------------------------------------------
+
+def handshake_to_proto(h: KVHandshake) -> kv_pb2.KVHandshake:
+    c, r = h.compat, h.region
+    return kv_pb2.KVHandshake(
+        wire_version=h.wire_version,
+        compat=kv_pb2.KVCompat(model_name=c.model_name, dtype=c.dtype, block_size=c.block_size,
+                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, layout_version=c.layout_version),
+        compat_hash=c.hash, agent_name=h.agent_name, agent_metadata=h.agent_metadata,
+        region=kv_pb2.KVRegion(mem_type=_MEM_TYPES[r.mem_type], base_addr=r.base_addr,
+                               device_id=r.device_id, num_blocks=r.num_blocks,
+                               block_bytes=r.block_bytes))
+
+
+def handshake_from_proto(msg: kv_pb2.KVHandshake) -> KVHandshake:
+    c, r = msg.compat, msg.region
+    return KVHandshake(
+        wire_version=msg.wire_version,
+        compat=KVCompat(model_name=c.model_name, dtype=c.dtype, block_size=c.block_size,
+                        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim, layout_version=c.layout_version),
+        agent_name=msg.agent_name, agent_metadata=msg.agent_metadata,
+        region=KVRegion(mem_type=_MEM_NAMES.get(r.mem_type, "DRAM"), base_addr=r.base_addr,
+                        device_id=r.device_id, num_blocks=r.num_blocks,
+                        block_bytes=r.block_bytes))

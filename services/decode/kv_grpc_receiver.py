@@ -1,0 +1,125 @@
+"""Decode side of the gRPC KV transport: the receiver and ``KVTransferService``'s servicer.
+
+``PushBlocks`` takes a client stream of a header, then the packed bytes (packing.py) in
+chunks, written straight into the reserved blocks as they arrive; the receiver queues one
+notification per finished push for the decode handler to drain.
+
+Status codes: FAILED_PRECONDITION when the peers are incompatible (the message names each
+differing field, both sides' values), INVALID_ARGUMENT for bad block ids or a malformed
+stream, DEADLINE_EXCEEDED / CANCELLED as gRPC reports them.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.kv_transfer.base import KVHandshake, KVNotification, KVReceiver, KVTransferError
+from engine.kv_transfer.packing import write_packed_range
+from services.common.pb import kv_pb2, kv_pb2_grpc
+from services.common.wire import handshake_from_proto, handshake_to_proto
+from services.worker.kv_grpc import GrpcEndpoint
+
+
+class GrpcKVReceiver(GrpcEndpoint, KVReceiver):
+    """Decode side of the gRPC transport. The servicer writes; the engine drains notifications."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name, "decode")
+        self._landed: collections.deque[KVNotification] = collections.deque()  # thread-safe
+
+    def completed_requests(self) -> list[KVNotification]:
+        drained = []
+        while self._landed:
+            drained.append(self._landed.popleft())
+        return drained
+
+    def deliver(self, notification: KVNotification) -> None:
+        self._landed.append(notification)
+
+
+class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
+    """Serves Handshake for ``handshake_source`` (default: the gRPC receiver) and PushBlocks."""
+
+    def __init__(self, receiver: GrpcKVReceiver, handshake_source: KVReceiver | None = None) -> None:
+        self.receiver = receiver
+        self.handshake_source = handshake_source or receiver
+
+    async def Handshake(self, request: kv_pb2.KVHandshake,
+                        context: grpc.aio.ServicerContext) -> kv_pb2.KVHandshake:
+        local = self.handshake_source.handshake_info()
+        try:
+            local.check_compatible(handshake_from_proto(request), sides=("receiver", "sender"))
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return handshake_to_proto(local)
+
+    async def PushBlocks(self, request_iterator: AsyncIterator[kv_pb2.PushBlocksChunk],
+                         context: grpc.aio.ServicerContext) -> kv_pb2.PushBlocksAck:
+        local = self.receiver.handshake_info()
+        kv_cache = self.receiver.kv_cache
+        header: kv_pb2.PushBlocksHeader | None = None
+        dst_block_ids: list[int] = []
+        received = 0
+        async for chunk in request_iterator:
+            if header is None:
+                if not chunk.HasField("header"):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "PushBlocks: the first chunk must carry the header")
+                header = chunk.header
+                error = _check_header(header, local)
+                if error is not None:
+                    await context.abort(*error)
+                dst_block_ids = list(header.dst_block_ids)
+            elif chunk.HasField("header"):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "PushBlocks: only the first chunk may carry a header")
+            if not chunk.data:
+                continue
+            if chunk.offset != received or received + len(chunk.data) > header.total_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"PushBlocks: chunk at offset {chunk.offset} with "
+                                    f"{len(chunk.data)} bytes; expected offset {received} and "
+                                    f"at most {header.total_bytes} bytes in all")
+            write_packed_range(kv_cache, dst_block_ids, received, chunk.data)
+            received += len(chunk.data)
+        if header is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: empty stream")
+        if received != header.total_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"PushBlocks: stream ended after {received} of "
+                                f"{header.total_bytes} bytes")
+        self.receiver.deliver(KVNotification(header.request_id, tuple(dst_block_ids),
+                                             sender=header.sender_agent_name or context.peer()))
+        return kv_pb2.PushBlocksAck(request_id=header.request_id, num_blocks=len(dst_block_ids),
+                                    num_bytes=received)
+
+
+def _check_header(header: kv_pb2.PushBlocksHeader,
+                  local: KVHandshake) -> tuple[grpc.StatusCode, str] | None:
+    """The status to fail a PushBlocks with, or None if the header is acceptable."""
+    compat = local.compat
+    if header.compat_hash != compat.hash:
+        return (grpc.StatusCode.FAILED_PRECONDITION,
+                f"PushBlocks: compat hash {header.compat_hash[:12]} (sender dtype={header.dtype}, "
+                f"block_shape={list(header.block_shape)}) != receiver {compat.hash[:12]} "
+                f"(dtype={compat.dtype}, block_shape={list(compat.block_shape)}); "
+                "call Handshake first to see which fields differ")
+    ids = list(header.dst_block_ids)
+    num_blocks = local.region.num_blocks
+    if not ids:
+        return grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: no dst_block_ids"
+    bad = [b for b in ids if b >= num_blocks]
+    if bad:
+        return (grpc.StatusCode.INVALID_ARGUMENT,
+                f"PushBlocks: dst block ids {bad[:8]} out of range [0, {num_blocks})")
+    if len(set(ids)) != len(ids):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"PushBlocks: dst block ids repeat: {ids[:16]}"
+    expected = len(ids) * local.region.block_bytes
+    if header.total_bytes != expected:
+        return (grpc.StatusCode.INVALID_ARGUMENT,
+                f"PushBlocks: total_bytes={header.total_bytes}, but {len(ids)} blocks of "
+                f"{local.region.block_bytes} bytes are {expected}")
+    return None
