@@ -51,7 +51,7 @@ def import_nixl() -> Any:
     return _api
 
 
-class _NixlAgent:
+class NixlAgent:
     """A NIXL agent with the UCX backend and one registered KV tensor."""
 
     def __init__(self, model_name: str, role: str, agent_name: str | None = None) -> None:
@@ -102,7 +102,7 @@ class NixlKVSender(KVSender):
     """Prefill side: WRITEs local blocks into a connected receiver's reserved blocks."""
 
     def __init__(self, model_name: str, agent_name: str | None = None) -> None:
-        self._agent = _NixlAgent(model_name, "prefill", agent_name)
+        self._agent = NixlAgent(model_name, "prefill", agent_name)
         self._local_dlist = None
         self._remote_dlists: dict[str, Any] = {}  # remote agent name -> prepped dlist
         self._xfers: dict[int, Any] = {}  # transfer id -> nixl_xfer_handle
@@ -189,7 +189,7 @@ class NixlKVReceiver(KVReceiver):
     """Decode side: exposes its registered cache and turns NIXL notifications into events."""
 
     def __init__(self, model_name: str, agent_name: str | None = None) -> None:
-        self._agent = _NixlAgent(model_name, "decode", agent_name)
+        self._agent = NixlAgent(model_name, "decode", agent_name)
 
     @property
     def agent_name(self) -> str:

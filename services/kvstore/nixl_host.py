@@ -18,11 +18,11 @@ class NixlHost:
     (naming why) when NIXL cannot create a UCX agent here."""
 
     def __init__(self) -> None:
-        from engine.kv_transfer.nixl import _NixlAgent, import_nixl
+        from engine.kv_transfer.nixl import NixlAgent, import_nixl
 
         import_nixl()
-        self._agent_cls = _NixlAgent
-        self._agents: dict[str, _NixlAgent] = {}
+        self._agent_cls = NixlAgent
+        self._agents: dict[str, NixlAgent] = {}
 
     def handshake(self, region: BlockRegion) -> KVHandshake:
         """The store's handshake for ``region`` (registering the region on first call)."""

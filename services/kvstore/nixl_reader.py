@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 class NixlBlockReader:
     def __init__(self, model_name: str, kv_cache: torch.Tensor, agent_name: str | None = None) -> None:
-        from engine.kv_transfer.nixl import _NixlAgent
+        from engine.kv_transfer.nixl import NixlAgent
 
-        self._agent = _NixlAgent(model_name, "kvstore-reader", agent_name)
+        self._agent = NixlAgent(model_name, "kvstore-reader", agent_name)
         self._agent.register(kv_cache)
         assert self._agent.region is not None
         self.region = self._agent.region
