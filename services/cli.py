@@ -3,6 +3,7 @@
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
     pdserve serve router|prefill|decode|kvstore [...]
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
+    pdserve health HOST:PORT | http://HOST:PORT/health  (exit 0 when SERVING / 200)
     pdserve bench engine|kernels|serve|spec|kv|disagg [...]  (loadtests/bench_*.py)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
@@ -20,6 +21,7 @@ COMMANDS = {
     ("serve", "decode"): "services.decode.__main__",
     ("serve", "kvstore"): "services.kvstore.__main__",
     ("generate",): "services.router.client",
+    ("health",): "services.common.health_probe",
     ("bench", "engine"): "loadtests.bench_engine",
     ("bench", "kernels"): "loadtests.bench_kernels",
     ("bench", "serve"): "loadtests.bench_serve",
