@@ -1,0 +1,73 @@
+"""``pdserve serve ray``: run the Ray Serve application on a Ray cluster (or a local one).
+
+    pdserve serve ray --config app.yaml [--address auto] [--http-host 127.0.0.1] [--http-port 8000]
+
+``app.yaml`` holds PdserveServingArgs (services/ray/args.py), e.g.::
+
+    transfer: grpc
+    prefill: {num_replicas: 1}
+    decode: {autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}}
+
+Prints ``ready http=HOST:PORT`` once every replica is SERVING; SIGINT / SIGTERM shut the
+application down (each service drains) and leave Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from services.common.settings import add_env_argument
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve serve ray", description=__doc__.split("\n\n")[0])
+    add = add_env_argument
+    add(parser, "--config", required=False, default="", help="YAML file of PdserveServingArgs")
+    add(parser, "--transfer", choices=["nixl", "grpc"], default="",
+        help="KV transport, when the config file does not name one")
+    add(parser, "--address", default="", help="Ray cluster address (empty: start a local one)")
+    add(parser, "--http-host", default="127.0.0.1", help="address Serve's HTTP proxy binds")
+    add(parser, "--http-port", type=int, default=8000, help="Serve's HTTP port")
+    add(parser, "--app-name", default="pdserve", help="Serve application name")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import ray
+    import yaml
+    from ray import serve
+
+    from services.ray.args import PdserveServingArgs
+    from services.ray.builder import build_pdserve_app
+
+    raw = (yaml.safe_load(open(args.config)) if args.config else None) or {}
+    if args.transfer and "transfer" not in raw:
+        raw["transfer"] = args.transfer
+    try:
+        serving_args = PdserveServingArgs.from_dict(raw)
+    except ValueError as error:
+        parser.error(str(error))
+    ray.init(address=args.address or None, include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.http_host, "port": args.http_port})
+        serve.run(build_pdserve_app(serving_args), name=args.app_name, route_prefix="/")
+        print(f"ready http={args.http_host}:{args.http_port}", flush=True)
+        stop.wait()
+    finally:
+        serve.delete(args.app_name)
+        serve.shutdown()
+        ray.shutdown()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
