@@ -6,7 +6,10 @@
 
     transfer: grpc
     prefill: {num_replicas: 1}
-    decode: {autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}}
+    decode: {num_replicas: 2, ray_actor_options: {num_cpus: 4}}
+    router: {autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 64}}
+
+Running it again with only ``num_replicas`` changed scales that deployment in place.
 
 Prints ``ready http=HOST:PORT`` once every replica is SERVING; SIGINT / SIGTERM shut the
 application down (each service drains) and leave Ray.

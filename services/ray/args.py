@@ -10,6 +10,7 @@ named. Every error is a ValueError that names the key.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ COMPAT_FLAGS = ("--model", "--block-size", "--dtype")
 
 @dataclass(frozen=True)
 class RoleConfig:
-    """One deployment: a fixed ``num_replicas`` or a Serve ``autoscaling_config`` (not both),
+    """One deployment: a fixed ``num_replicas`` or a Serve ``autoscaling_config`` (not both;
+    the router only, since Serve sees no load on the workers: requests reach them over gRPC),
     Ray actor options (``num_cpus`` per replica: CPU-only, no placement groups), and extra
     ``pdserve serve <role>`` flags."""
 
@@ -109,7 +111,22 @@ class PdserveServingArgs:
         args.check()
         return args
 
+    def for_replicas(self) -> PdserveServingArgs:
+        """These args without replica counts and actor options: what the replicas are built
+        from, so a change of scale alone leaves them (and their version) as they are."""
+        def strip(config: RoleConfig | None) -> RoleConfig | None:
+            return None if config is None else RoleConfig(num_replicas=1, ray_actor_options={},
+                                                          args=config.args)
+        return dataclasses.replace(self, router=strip(self.router), prefill=strip(self.prefill),
+                                   decode=strip(self.decode), kvstore=strip(self.kvstore))
+
     def check(self) -> None:
+        for role in ("prefill", "decode", "kvstore"):
+            config = getattr(self, role)
+            if config is not None and config.autoscaling_config is not None:
+                raise ValueError(f"{role}.autoscaling_config: Serve cannot autoscale the {role} "
+                                 "deployment (requests reach its service over gRPC, so Serve "
+                                 "sees no load); give num_replicas (HPA/KEDA scale it on Helm)")
         if self.kvstore_gib <= 0:
             raise ValueError(f"kvstore_gib must be > 0, got {self.kvstore_gib}")
         if self.startup_timeout_s <= 0 or self.drain_grace_s < 0:

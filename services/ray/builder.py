@@ -14,6 +14,7 @@ RoleConfig. Run it with ``pdserve serve ray --config app.yaml``, or
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +36,38 @@ def build_pdserve_app(args: dict[str, Any] | str | Path | PdserveServingArgs) ->
     the path of a YAML file with it. Raises ValueError for bad args (before anything starts)."""
     if not isinstance(args, PdserveServingArgs):
         args = PdserveServingArgs.from_dict(args)
-    book = AddressBookDeployment.bind()
-    prefill = serve.deployment(PrefillReplica, name="Prefill").options(
+    replica_args = args.for_replicas()
+    version = code_version(replica_args)
+    book = versioned(AddressBookDeployment, version).bind()
+    prefill = versioned(serve.deployment(PrefillReplica, name="Prefill"), version).options(
         **args.prefill.deployment_options())
-    decode = serve.deployment(DecodeReplica, name="Decode").options(
+    decode = versioned(serve.deployment(DecodeReplica, name="Decode"), version).options(
         **args.decode.deployment_options())
-    router = serve.deployment(RouterIngress, name="Router", max_ongoing_requests=ROUTER_MAX_ONGOING
-                              ).options(**args.router.deployment_options())
+    router = versioned(serve.deployment(RouterIngress, name="Router",
+                                        max_ongoing_requests=ROUTER_MAX_ONGOING), version
+                       ).options(**args.router.deployment_options())
     # Bound but not called by the router: binding makes Serve run the worker deployments as
     # part of this application; the router reaches their services over gRPC.
-    workers = [prefill.bind(args, book), decode.bind(args, book)]
+    workers = [prefill.bind(replica_args, book), decode.bind(replica_args, book)]
     if args.kvstore is not None:
-        kvstore = serve.deployment(KVStoreReplica, name="KVStore", max_replicas_per_node=1
-                                   ).options(**args.kvstore.deployment_options())
-        workers.append(kvstore.bind(args, book))
-    return router.bind(args, book, *workers)
+        kvstore = versioned(serve.deployment(KVStoreReplica, name="KVStore",
+                                             max_replicas_per_node=1), version
+                            ).options(**args.kvstore.deployment_options())
+        workers.append(kvstore.bind(replica_args, book))
+    return router.bind(replica_args, book, *workers)
+
+
+def code_version(replica_args: PdserveServingArgs) -> str:
+    """A version that changes with the replicas' args and this package's code, not with scale:
+    re-running the app with only ``num_replicas`` changed adds or removes replicas in place."""
+    digest = hashlib.sha256(repr(replica_args).encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def versioned(deployment: Any, version: str) -> Any:
+    """``deployment`` with a fixed code version. Serve gives an unversioned deployment a random
+    one on every ``serve.run`` (so every run restarts every replica) and no longer takes
+    ``version`` from users; its internal flag is the only way left (checked on Ray 2.60)."""
+    return deployment.options(version=version, _internal=True)

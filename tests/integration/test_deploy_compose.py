@@ -15,8 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.compose_services import (REPO, ComposeService, free_port, load_compose,
-                                                loopback_services, process_env)
+from tests.integration.compose_services import (
+    REPO,
+    ComposeService,
+    free_port,
+    load_compose,
+    loopback_services,
+    process_env,
+)
 
 START_WAVES = (("kvstore",), ("prefill", "decode"), ("router",))  # as depends_on orders them
 STARTUP_TIMEOUT_S = 240.0

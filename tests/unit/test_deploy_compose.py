@@ -54,7 +54,7 @@ def test_services_and_health_gated_order() -> None:
     assert set(services) == PDSERVE_SERVICES | {"redis", "prometheus", "grafana"}
     for name, spec in services.items():
         assert "healthcheck" in spec, name
-        for dependency, condition in spec.get("depends_on", {}).items():
+        for dependency in spec.get("depends_on", {}):
             assert dependency in services, (name, dependency)
     for name in ("prefill", "decode", "decode-2"):
         assert services[name]["depends_on"] == {"redis": {"condition": "service_healthy"},

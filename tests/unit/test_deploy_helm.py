@@ -9,8 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from tests.unit.helm_render import (CRD_KINDS, RELEASE, by_kind, containers, env_of, helm, lint,
-                                    notes, render)
+from tests.unit.helm_render import CRD_KINDS, RELEASE, by_kind, containers, env_of, helm, lint, notes, render
 
 K8S_VERSION = kubernetes_validate.latest_version()
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}

@@ -9,11 +9,11 @@ from services.ray.args import PdserveServingArgs, RoleConfig
 
 
 def test_defaults_and_deployment_options() -> None:
-    args = PdserveServingArgs.from_dict({"transfer": "nixl", "decode": {
+    args = PdserveServingArgs.from_dict({"transfer": "nixl", "router": {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}})
     assert args.prefill.deployment_options() == {"ray_actor_options": {"num_cpus": 1},
                                                  "num_replicas": 1}
-    options = args.decode.deployment_options()
+    options = args.router.deployment_options()
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4}
     assert "num_replicas" not in options
     assert args.kvstore is not None and args.kvstore.ray_actor_options == {"num_cpus": 0.1}
@@ -38,6 +38,8 @@ def test_yaml_file(tmp_path) -> None:
     ({"transfer": "grpc", "prefill": {"args": ["--block-size", "32"]}}, "--block-size"),
     ({"transfer": "grpc", "decode": {"args": ["--dtype=float16"]}}, "--dtype"),
     ({"transfer": "grpc", "kvstore_gib": 0}, "kvstore_gib"),
+    ({"transfer": "grpc", "decode": {"autoscaling_config": {"max_replicas": 2}}},
+     "decode.autoscaling_config: Serve cannot autoscale"),
 ])
 def test_bad_args_raise_naming_the_key(raw: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
@@ -48,3 +50,11 @@ def test_flag_lookup() -> None:
     role = RoleConfig(args=("--block-size", "32", "--model=/m.gguf"))
     assert role.flag("--block-size") == "32" and role.flag("--model") == "/m.gguf"
     assert role.flag("--dtype") is None
+
+
+def test_replica_args_ignore_scale() -> None:
+    one = PdserveServingArgs.from_dict({"transfer": "grpc", "decode": {"args": ["--spec-k", "2"]}})
+    two = PdserveServingArgs.from_dict({"transfer": "grpc", "decode": {
+        "num_replicas": 2, "ray_actor_options": {"num_cpus": 2}, "args": ["--spec-k", "2"]}})
+    assert one.for_replicas() == two.for_replicas()
+    assert two.for_replicas().decode is not None and two.for_replicas().decode.args == ("--spec-k", "2")
