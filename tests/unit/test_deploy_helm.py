@@ -124,7 +124,15 @@ def test_keda_scales_workers_on_queue_and_kv_usage() -> None:
     assert "vllm:kv_cache_usage_perc" in \
         scaled[f"{RELEASE}-pdserve-decode"]["spec"]["triggers"][0]["metadata"]["query"]
     assert set(by_kind(manifests, "HorizontalPodAutoscaler")) == {f"{RELEASE}-pdserve-router"}
-    assert set(by_kind(manifests, "ServiceMonitor")) and set(by_kind(manifests, "PodMonitor"))
+    (monitor,) = by_kind(manifests, "PodMonitor").values()
+    port_name = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    for workload in by_kind(manifests, "StatefulSet").values():
+        if workload["spec"]["template"]["metadata"]["labels"].get("pdserve.io/metrics") == "true":
+            assert port_name in {p["name"] for p in containers(workload)[0]["ports"]}
+    (service_monitor,) = by_kind(manifests, "ServiceMonitor").values()
+    router_service = by_kind(manifests, "Service")[f"{RELEASE}-pdserve-router"]
+    assert service_monitor["spec"]["endpoints"][0]["port"] in \
+        {p["name"] for p in router_service["spec"]["ports"]}
 
 
 def test_external_redis_renders_no_redis_and_passes_the_url() -> None:
