@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from tests.unit.helm_render import CRD_KINDS, RELEASE, by_kind, containers, env_of, helm, lint, notes, render
+from tests.unit.helm_render import CHART, CRD_KINDS, RELEASE, by_kind, containers, env_of, helm, lint, notes, render
 
 K8S_VERSION = kubernetes_validate.latest_version()
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
@@ -196,7 +196,7 @@ def test_notes_tell_how_to_reach_the_router() -> None:
     ({"prefil": {"replicas": 1}}, "prefil"),
 ])
 def test_bad_values_are_rejected_by_the_schema(bad: dict[str, Any], named: str) -> None:
-    chart = helm.Chart.load(__import__("tests.unit.helm_render", fromlist=["CHART"]).CHART)
+    chart = helm.Chart.load(CHART)
     with pytest.raises(helm.HelmValuesError, match=named):
         chart.validate_schema(chart.merge_values(bad))
     with pytest.raises(helm.HelmError):
@@ -206,3 +206,11 @@ def test_bad_values_are_rejected_by_the_schema(bad: dict[str, Any], named: str) 
 def test_router_pdb_that_blocks_every_eviction_fails_render() -> None:
     with pytest.raises(helm.HelmError, match="minAvailable"):
         render({"router": {"replicas": 1}})
+
+
+def test_bad_values_file_names_every_offending_key() -> None:
+    text = "transfer: udp\ndecode:\n  replicas: -2\n  port: 50071\n"
+    chart = helm.Chart.load(CHART)
+    with pytest.raises(helm.HelmValuesError) as error:
+        chart.validate_schema(chart.merge_values(helm.values_from_yaml(text)))
+    assert "/transfer" in str(error.value) and "/decode/replicas" in str(error.value)
