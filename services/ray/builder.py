@@ -15,6 +15,7 @@ RoleConfig. Run it with ``pdserve serve ray --config app.yaml``, or
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,14 @@ def build_pdserve_app(args: dict[str, Any] | str | Path | PdserveServingArgs) ->
 
 
 def code_version(replica_args: PdserveServingArgs) -> str:
-    """A version that changes with the replicas' args and this package's code, not with scale:
-    re-running the app with only ``num_replicas`` changed adds or removes replicas in place."""
+    """A version that changes with the replicas' args and pdserve's version, not with scale
+    (as Serve's own config deploys version by import path and args): re-running the app with
+    only ``num_replicas`` changed adds or removes replicas in place."""
     digest = hashlib.sha256(repr(replica_args).encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
+    try:
+        digest.update(importlib.metadata.version("pdserve").encode())
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        pass
     return digest.hexdigest()[:16]
 
 
