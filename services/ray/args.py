@@ -114,11 +114,11 @@ class PdserveServingArgs:
     def for_replicas(self) -> PdserveServingArgs:
         """These args without replica counts and actor options: what the replicas are built
         from, so a change of scale alone leaves them (and their version) as they are."""
-        def strip(config: RoleConfig | None) -> RoleConfig | None:
-            return None if config is None else RoleConfig(num_replicas=1, ray_actor_options={},
-                                                          args=config.args)
-        return dataclasses.replace(self, router=strip(self.router), prefill=strip(self.prefill),
-                                   decode=strip(self.decode), kvstore=strip(self.kvstore))
+        def strip(config: RoleConfig) -> RoleConfig:
+            return RoleConfig(num_replicas=1, ray_actor_options={}, args=config.args)
+        return dataclasses.replace(
+            self, router=strip(self.router), prefill=strip(self.prefill), decode=strip(self.decode),
+            kvstore=None if self.kvstore is None else strip(self.kvstore))
 
     def check(self) -> None:
         for role in ("prefill", "decode", "kvstore"):
