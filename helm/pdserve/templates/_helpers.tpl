@@ -119,14 +119,20 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* Native gRPC probes against grpc.health.v1 on one port. */}}
+{{/* Native gRPC probes against grpc.health.v1 on one port. The router's health mirrors its
+     workers' (no healthy worker: NOT_SERVING), so its liveness only checks that the port
+     accepts connections: workers being down must not restart every router. */}}
 {{- define "pdserve.grpcProbes" -}}
 startupProbe:
   grpc: {port: {{ .port }}}
   periodSeconds: {{ .ctx.Values.startupProbe.periodSeconds }}
   failureThreshold: {{ .ctx.Values.startupProbe.failureThreshold }}
 livenessProbe:
+  {{- if .livenessTCP }}
+  tcpSocket: {port: {{ .port }}}
+  {{- else }}
   grpc: {port: {{ .port }}}
+  {{- end }}
   periodSeconds: 10
   timeoutSeconds: 3
   failureThreshold: 6
