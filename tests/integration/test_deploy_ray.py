@@ -29,7 +29,8 @@ WAIT_S = 300.0
 def app_args(num_decode: int) -> dict[str, Any]:
     worker = {"ray_actor_options": {"num_cpus": 1}, "args": ["--num-threads", "1"]}
     return {"transfer": "grpc", "drain_grace_s": 2.0, "startup_timeout_s": WAIT_S,
-            "kvstore": None, "prefill": {"num_replicas": 1, **worker},
+            "kvstore": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
+            "kvstore_gib": 0.05, "prefill": {"num_replicas": 1, **worker},
             "decode": {"num_replicas": num_decode, **worker},
             "router": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}}
 
@@ -100,6 +101,11 @@ def test_ray_serve_1p1d_parity_then_two_decode_replicas(expected: dict[str, str]
                   route_prefix="/")
         for prompt in PROMPTS:
             assert stream_completion(port, prompt) == expected[prompt], prompt
+        _, members = serve.get_deployment_handle("AddressBook", APP).snapshot.remote().result(
+            timeout_s=30)
+        assert {role: len(m) for role, m in members.items()} == {
+            "prefill": 1, "decode": 1, "kvstore": 1}
+        assert all(m["grpc"].startswith("127.0.0.1:") for ms in members.values() for m in ms.values())
 
         serve.run(build_pdserve_app({**app_args(2), "log_dir": str(tmp_path)}), name=APP,
                   route_prefix="/")
