@@ -216,3 +216,20 @@ def test_bad_values_file_names_every_offending_key() -> None:
     with pytest.raises(helm.HelmValuesError) as error:
         chart.validate_schema(chart.merge_values(helm.values_from_yaml(text)))
     assert "/transfer" in str(error.value) and "/decode/replicas" in str(error.value)
+
+
+def test_every_value_is_used_by_a_template() -> None:
+    """No value that the templates ignore (production-stack#886): each leaf key of
+    values.yaml is read by some template (by its last name, after ``.`` in a template)."""
+    import yaml
+
+    templates = "\n".join(p.read_text() for p in (CHART / "templates").glob("*"))
+
+    def leaves(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        if isinstance(node, dict) and node and path[-1:] not in (("resources",), ("labels",)):
+            return [leaf for key, value in node.items() for leaf in leaves(value, (*path, key))]
+        return [path]
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    unused = [".".join(p) for p in leaves(values) if f".{p[-1]}" not in templates]
+    assert unused == []
