@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from services.common.settings import add_env_argument
 
@@ -42,20 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    import ray
     import yaml
-    from ray import serve
 
     from services.ray.args import PdserveServingArgs
+
+    try:
+        raw = (yaml.safe_load(Path(args.config).read_text()) if args.config else None) or {}
+        if args.transfer and isinstance(raw, dict) and "transfer" not in raw:
+            raw["transfer"] = args.transfer
+        serving_args = PdserveServingArgs.from_dict(raw)
+    except (OSError, ValueError, yaml.YAMLError) as error:  # checked before Ray starts
+        parser.error(f"--config {args.config!r}: {error}")
+    import ray
+    from ray import serve
+
     from services.ray.builder import build_pdserve_app
 
-    raw = (yaml.safe_load(open(args.config)) if args.config else None) or {}
-    if args.transfer and "transfer" not in raw:
-        raw["transfer"] = args.transfer
-    try:
-        serving_args = PdserveServingArgs.from_dict(raw)
-    except ValueError as error:
-        parser.error(str(error))
     ray.init(address=args.address or None, include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

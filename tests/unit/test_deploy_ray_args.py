@@ -58,3 +58,30 @@ def test_replica_args_ignore_scale() -> None:
         "num_replicas": 2, "ray_actor_options": {"num_cpus": 2}, "args": ["--spec-k", "2"]}})
     assert one.for_replicas() == two.for_replicas()
     assert two.for_replicas().decode is not None and two.for_replicas().decode.args == ("--spec-k", "2")
+
+
+def test_serve_run_builder_path_builds_the_app() -> None:
+    """`serve run services.ray.builder:build_pdserve_app transfer=grpc` calls the builder so."""
+    pytest.importorskip("ray.serve")
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from services.ray.builder import build_pdserve_app
+
+    app = call_user_app_builder_with_args_if_necessary(build_pdserve_app, {"transfer": "grpc"})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="transfer"):
+        call_user_app_builder_with_args_if_necessary(build_pdserve_app, {})
+
+
+def test_cli_rejects_a_bad_config_before_starting_ray(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.cluster_fixtures import REPO
+
+    path = tmp_path / "app.yaml"
+    path.write_text("transfer: grpc\ndecode: {num_replicas: -1}\n")
+    result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "ray", "--config",
+                             str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "decode.num_replicas must be >= 1" in result.stderr, result
