@@ -16,7 +16,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 PORT_VARS = ("PDSERVE_PORT", "PDSERVE_HTTP_PORT", "PDSERVE_GRPC_PORT")
-_INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Z0-9_]+)(:-(?P<default>[^}]*))?\}")
+# Compose interpolation: ``$$`` is a literal ``$``; ``${VAR}`` / ``${VAR:-default}`` a variable.
+_INTERPOLATION = re.compile(r"\$\$|\$\{(?P<name>[A-Z0-9_]+)(:-(?P<default>[^}]*))?\}")
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ def load_compose(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """docker-compose.yml with ``${VAR:-default}`` interpolated from ``environ`` (default: none
     set, so every default applies) and YAML anchors merged."""
     environ = environ or {}
-    text = _INTERPOLATION.sub(lambda m: environ.get(m["name"], m["default"] or ""),
-                              COMPOSE_FILE.read_text())
+    text = _INTERPOLATION.sub(
+        lambda m: "$" if m[0] == "$$" else environ.get(m["name"], m["default"] or ""),
+        COMPOSE_FILE.read_text())
     return yaml.safe_load(text)
 
 

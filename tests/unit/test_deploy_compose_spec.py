@@ -51,7 +51,7 @@ def test_schema_rejects_a_broken_compose_file() -> None:
 
 def test_services_and_health_gated_order() -> None:
     services = load_compose()["services"]
-    assert set(services) == PDSERVE_SERVICES | {"redis", "prometheus", "grafana"}
+    assert set(services) == PDSERVE_SERVICES | {"redis", "redis-chaos", "prometheus", "grafana"}
     for name, spec in services.items():
         assert "healthcheck" in spec, name
         for dependency in spec.get("depends_on", {}):
@@ -62,7 +62,9 @@ def test_services_and_health_gated_order() -> None:
     assert services["router"]["depends_on"] == {"prefill": {"condition": "service_healthy"},
                                                 "decode": {"condition": "service_healthy"}}
     assert services["decode-2"]["profiles"] == ["two-decode"]
-    assert all("profiles" not in spec for name, spec in services.items() if name != "decode-2")
+    assert services["redis-chaos"]["profiles"] == ["chaos"]
+    assert all("profiles" not in spec for name, spec in services.items()
+               if name not in ("decode-2", "redis-chaos"))
 
 
 def test_pdserve_services_are_one_serve_command_with_a_pdserve_health_check() -> None:
