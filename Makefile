@@ -5,7 +5,9 @@ STAMP   := .venv/.pdserve-installed
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: up lint test test-fast bench clean-venv
+DEPLOY_TOOLS := .venv/deploy-tools
+
+.PHONY: up lint test test-fast bench clean-venv deploy-tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -21,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	# ISA, torch and kernel source), for the whole machine and for a worker of `pdserve up`.
 	$(PY) -m loadtests.bench_kernels --cached --threads $$(nproc),$$(( $$(nproc) / 2 > 0 ? $$(nproc) / 2 : 1 )) \
 		|| echo "CPU kernels not calibrated: the first engine start will do it"
+	# The Compose specification's JSON schema for tests/unit/test_deploy_compose_spec.py: the wheel
+	# that ships it is downloaded, not installed (its old pins would downgrade PyYAML).
+	$(MAKE) deploy-tools
 	touch $(STAMP)
 
 up: $(STAMP)
@@ -39,6 +44,10 @@ test-fast: lint
 
 bench: $(STAMP)
 	$(PY) -m loadtests.bench_engine
+
+deploy-tools:
+	test -n "$$(ls $(DEPLOY_TOOLS)/docker_compose-1.29.2-*.whl 2>/dev/null)" \
+		|| $(PIP) download -q --no-deps docker-compose==1.29.2 -d $(DEPLOY_TOOLS)
 
 clean-venv:
 	rm -rf .venv

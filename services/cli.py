@@ -2,7 +2,9 @@
 
     pdserve up [--prefill N] [--decode M] [--colocated] [--transfer nixl|grpc] ...
     pdserve serve router|prefill|decode|kvstore [...]
+    pdserve serve ray --config app.yaml  (the Ray Serve application: services/ray/)
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
+    pdserve health HOST:PORT | http://HOST:PORT/health  (exit 0 when SERVING / 200)
     pdserve bench engine|kernels|serve|spec|kv|disagg [...]  (loadtests/bench_*.py)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
@@ -19,7 +21,9 @@ COMMANDS = {
     ("serve", "prefill"): "services.prefill.__main__",
     ("serve", "decode"): "services.decode.__main__",
     ("serve", "kvstore"): "services.kvstore.__main__",
+    ("serve", "ray"): "services.ray.__main__",
     ("generate",): "services.router.client",
+    ("health",): "services.common.health_probe",
     ("bench", "engine"): "loadtests.bench_engine",
     ("bench", "kernels"): "loadtests.bench_kernels",
     ("bench", "serve"): "loadtests.bench_serve",

@@ -1,0 +1,79 @@
+"""``pdserve serve ray``: run the Ray Serve application on a Ray cluster (or a local one).
+
+    pdserve serve ray --config app.yaml [--address auto] [--http-host 127.0.0.1] [--http-port 8000]
+
+``app.yaml`` holds PdserveServingArgs (services/ray/args.py), e.g.::
+
+    transfer: grpc
+    prefill: {num_replicas: 1}
+    decode: {num_replicas: 2, ray_actor_options: {num_cpus: 4}}
+    router: {autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 64}}
+
+Running it again with only ``num_replicas`` changed scales that deployment in place.
+
+Prints ``ready http=HOST:PORT`` once every replica is SERVING; SIGINT / SIGTERM shut the
+application down (each service drains) and leave Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.common.settings import add_env_argument
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve serve ray", description=__doc__.split("\n\n")[0])
+    add = add_env_argument
+    add(parser, "--config", required=False, default="", help="YAML file of PdserveServingArgs")
+    add(parser, "--transfer", choices=["nixl", "grpc"], default="",
+        help="KV transport, when the config file does not name one")
+    add(parser, "--address", default="", help="Ray cluster address (empty: start a local one)")
+    add(parser, "--http-host", default="127.0.0.1", help="address Serve's HTTP proxy binds")
+    add(parser, "--http-port", type=int, default=8000, help="Serve's HTTP port")
+    add(parser, "--app-name", default="pdserve", help="Serve application name")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import yaml
+
+    from services.ray.args import PdserveServingArgs
+
+    try:
+        raw = (yaml.safe_load(Path(args.config).read_text()) if args.config else None) or {}
+        if args.transfer and isinstance(raw, dict) and "transfer" not in raw:
+            raw["transfer"] = args.transfer
+        serving_args = PdserveServingArgs.from_dict(raw)
+    except (OSError, ValueError, yaml.YAMLError) as error:  # checked before Ray starts
+        parser.error(f"--config {args.config!r}: {error}")
+    import ray
+    from ray import serve
+
+    from services.ray.builder import build_pdserve_app
+
+    ray.init(address=args.address or None, include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.http_host, "port": args.http_port})
+        serve.run(build_pdserve_app(serving_args), name=args.app_name, route_prefix="/")
+        print(f"ready http={args.http_host}:{args.http_port}", flush=True)
+        stop.wait()
+    finally:
+        serve.delete(args.app_name)
+        serve.shutdown()
+        ray.shutdown()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
