@@ -166,7 +166,8 @@ class HostBlockPool:
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain events queued here (only when no ``event_sink`` was given), oldest first."""
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()  # in place: the default sink appends to this list
         return events
 
     def check_integrity(self, at_rest: bool = True) -> None:
