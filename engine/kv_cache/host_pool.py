@@ -27,7 +27,13 @@ from itertools import islice
 
 import torch
 
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Tier
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Tier,
+)
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.lower_tier import EvictedBlock
 

@@ -82,7 +82,7 @@ def test_device_hit_then_host_continuation(setup):
 
 
 def test_cost_gate_recomputes_when_loading_is_slower(setup):
-    scheduler, tier, runner = setup
+    _scheduler, tier, runner = setup
     runner.run(make_request("a1", PROMPT_A, max_tokens=1))
     runner.run(make_request("b", PROMPT_B, max_tokens=1))
     tier.cost.load_us_per_block = 10 * tier.cost.recompute_us_per_block
