@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import SpecDecoder
-from engine.stats import EngineStats, Sendable, TierStats
+from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
 
 
 class EngineCore:
@@ -165,9 +165,10 @@ class EngineCore:
     # ---- disaggregation hooks (services/prefill, services/decode) -------------------
 
     def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> list[int] | None:
+                       params: SamplingParams) -> RemoteReservation | None:
         """DECODE role: validate the request and reserve blocks for its prompt's KV, which a
-        prefill worker will write. Returns the block ids, or None when the pool is full."""
+        prefill worker will write (all but the leading blocks this worker already has cached).
+        Returns the reservation, or None when the pool is full."""
         params = self._validate(prompt_token_ids, params)
         if params.n != 1:
             raise ValueError("a disaggregated request carries one sample (n=1) per decode request")
@@ -176,9 +177,10 @@ class EngineCore:
                           generator)
         block_ids = self.scheduler.reserve_remote(request)
         self.host_tier.flush()  # the peer writes these blocks: copy down what they evicted first
-        if block_ids is not None:
-            self._samples[request_id] = [request_id]
-        return block_ids
+        if block_ids is None:
+            return None
+        self._samples[request_id] = [request_id]
+        return RemoteReservation(block_ids, request.num_cached_tokens // self.config.cache.block_size)
 
     def finish_remote_kv(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """DECODE role: the reserved blocks hold the prompt's KV; decode from ``first_token_id``.

@@ -71,3 +71,16 @@ class Sendable:
     block_ids: list[int]  # its block table
     num_computed_tokens: int  # tokens whose KV is in those blocks
     was_preempted: bool  # it lost its blocks once and recomputed: KV sent before is stale
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteReservation:
+    """Blocks a DECODE engine holds for a prompt whose KV a prefill worker sends
+    (``EngineCore.reserve_remote``)."""
+
+    block_ids: list[int]  # the prompt's block table, in order
+    num_cached_blocks: int  # leading blocks already filled from this worker's prefix cache
+
+    @property
+    def num_blocks_to_send(self) -> int:
+        return len(self.block_ids) - self.num_cached_blocks

@@ -87,15 +87,24 @@ class Scheduler:
 
     def reserve_remote(self, request: Request) -> list[int] | None:
         """DECODE: hold blocks for a prompt whose KV another worker computes and sends.
-        Returns the block ids to write into, or None (nothing changed) when they do not fit."""
+        Returns the prompt's block table, or None (nothing changed) when it does not fit.
+
+        The table's leading blocks may come from this worker's prefix cache (a hit, as for a
+        local prompt): ``request.num_cached_tokens`` says how many prompt tokens they cover
+        (a whole number of blocks), and the sender writes only the blocks after them."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
-        if self.kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens,
-                                          num_computed_tokens=0) is None:
-            return None
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._update_block_hashes(request)
+        cached_blocks, num_cached = [], 0
+        if self.enable_prefix_caching:
+            cached_blocks, num_cached = self.kv_manager.get_computed_blocks(
+                request.block_hashes, request.num_prompt_tokens)
+        if self.kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens,
+                                          cached_blocks, num_cached) is None:
+            return None
+        request.num_cached_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.waiting.append(request)
         return self.kv_manager.get_block_ids(request.request_id)

@@ -1,6 +1,8 @@
 """DecodeService: reserve blocks for a prompt's KV, wait for it to land, stream the rest.
 
-    ReserveBlocks     core.reserve_remote -> block ids + lease (RESOURCE_EXHAUSTED when full)
+    ReserveBlocks     core.reserve_remote -> block ids + lease (RESOURCE_EXHAUSTED when full);
+                      the leading num_cached_blocks come from this worker's prefix cache and
+                      are not written: the prefill worker sends only the rest (delta transfer)
     RenewReservation  the prefill job is still at work: hold the blocks one lease longer
     Decode            claim the reservation, wait (until its lease runs out) for every block
                       to land, then finish_remote_kv(first token) and stream tokens until the
@@ -39,6 +41,7 @@ from services.worker.convert import (
 )
 from services.worker.kv import make_receivers
 from services.worker.server import RoleHandler, WorkerRuntime
+from services.worker.stats import TransferCounters
 
 log = logging.getLogger(__name__)
 DECODE_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -59,6 +62,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                              f"{runtime.args.reservation_lease_ms}")
         self.lease_s = runtime.args.reservation_lease_ms / 1000
         self.reservations = ReservationTable(self.lease_s)
+        self.transfer_counters = TransferCounters()
         self.receivers = ()
         self._housekeeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -96,7 +100,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             reserving = asyncio.ensure_future(
                 self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
             try:
-                block_ids = await asyncio.shield(reserving)
+                reserved = await asyncio.shield(reserving)
             except asyncio.CancelledError:  # the caller gave up (deadline, cancel): undo
                 self._spawn(self._undo_reserve(reserving, reservation_id))
                 raise
@@ -104,16 +108,22 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ReserveBlocks: {exc}")
         except EngineDead as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if block_ids is None:
+        if reserved is None:
             block_size = self.engine.config.cache.block_size
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "
                 f"KV blocks; a {len(prompt)}-token prompt needs {-(-len(prompt) // block_size)}")
-        self.reservations.add(reservation_id, prompt, params, block_ids)
+        self.transfer_counters.num_blocks_skipped_cached += reserved.num_cached_blocks
+        # Only the blocks after the cached prefix are written (and awaited); the cached ones
+        # are shared with the prefix cache, so no push may touch them.
+        self.reservations.add(reservation_id, prompt, params,
+                              reserved.block_ids[reserved.num_cached_blocks:],
+                              reserved.num_cached_blocks)
         return worker_pb2.ReserveBlocksResponse(reservation=worker_pb2.BlockReservation(
             reservation_id=reservation_id, decode_worker_id=self.runtime.worker_id,
-            block_ids=block_ids, num_cached_blocks=0, lease_ms=int(self.lease_s * 1000)))
+            block_ids=reserved.block_ids, num_cached_blocks=reserved.num_cached_blocks,
+            lease_ms=int(self.lease_s * 1000)))
 
     async def ReleaseBlocks(self, request: worker_pb2.ReleaseBlocksRequest,
                             context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseBlocksResponse:
@@ -124,7 +134,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         self.reservations.mark_released(request.reservation_id)
         if not was_claimed:  # a claimed one is freed by the Decode call that waits on it
             await asyncio.shield(self._free(reservation))
-        return worker_pb2.ReleaseBlocksResponse(num_blocks_freed=len(reservation.block_ids))
+        return worker_pb2.ReleaseBlocksResponse(
+            num_blocks_freed=reservation.num_cached_blocks + len(reservation.block_ids))
 
     async def RenewReservation(self, request: worker_pb2.RenewReservationRequest,
                                context: grpc.aio.ServicerContext) -> worker_pb2.RenewReservationResponse:
@@ -249,12 +260,12 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
     async def _undo_reserve(self, reserving: asyncio.Future, request_id: str) -> None:
         """A ReserveBlocks caller left while the engine reserved: free what it reserved."""
         try:
-            block_ids = await reserving
+            reserved = await reserving
         except (ValueError, EngineDead):
             return
-        if block_ids is not None:
+        if reserved is not None:
             log.info("reservation %s: its ReserveBlocks call was cancelled; freeing %d blocks",
-                     request_id, len(block_ids))
+                     request_id, len(reserved.block_ids))
             await self._abort(request_id)
 
     async def _abort(self, request_id: str) -> None:

@@ -55,9 +55,10 @@ class Reservation:
     reservation_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # the blocks the sender writes: the prompt's table after its cached prefix
     expires_at: float  # time.monotonic(); moved on by renew() and claim()
     state: LeaseState = LeaseState.LEASED
+    num_cached_blocks: int = 0  # leading blocks of the table reused from the prefix cache
     landed_block_ids: set[int] = field(default_factory=set)
     num_active_pushes: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # landed, released, push ended
@@ -82,11 +83,11 @@ class ReservationTable:
         return reservation_id in self._reservations
 
     def add(self, reservation_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            block_ids: list[int]) -> Reservation:
+            block_ids: list[int], num_cached_blocks: int = 0) -> Reservation:
         if reservation_id in self._reservations:
             raise ValueError(f"reservation {reservation_id!r} already exists")
         reservation = Reservation(reservation_id, list(prompt_token_ids), params, list(block_ids),
-                                  time.monotonic() + self.lease_s)
+                                  time.monotonic() + self.lease_s, num_cached_blocks=num_cached_blocks)
         self._reservations[reservation_id] = reservation
         return reservation
 

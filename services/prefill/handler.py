@@ -47,6 +47,7 @@ from services.prefill.transfer import RequestTransfer, TransferFailed
 from services.worker.convert import finish_to_proto, logprobs_list_to_proto, logprobs_to_proto, params_from_proto
 from services.worker.kv import METHOD_NAMES, KVPusher, sender_factories, transfer_methods
 from services.worker.server import RoleHandler, WorkerRuntime
+from services.worker.stats import TransferCounters
 
 log = logging.getLogger(__name__)
 PREFILL_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -75,6 +76,9 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
         self.pushers: dict[int, KVPusher] = {}
         self.peers = DecodePeers()
         self.default_method = transfer_methods(runtime.args.transfer)[0]
+        self.transfer_counters = TransferCounters()
+        kv_cache = runtime.engine.kv_cache
+        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
 
     async def start(self):
         kv_cache = self.runtime.engine.kv_cache
@@ -229,7 +233,8 @@ class _PrefillJob:
             self.transfer = RequestTransfer(pusher, remote, self.request_id,
                                             list(reservation.block_ids),
                                             self.engine.config.cache.block_size,
-                                            len(self.prompt), self.lease)
+                                            len(self.prompt), self.lease,
+                                            reservation.num_cached_blocks)
         except TransferFailed as exc:
             raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
         return reservation
@@ -258,7 +263,7 @@ class _PrefillJob:
             live = self.engine.sendable(self.request_id)
             if live is None:
                 return changed
-            if live.was_preempted and transfer.num_blocks_queued:
+            if live.was_preempted and transfer.num_blocks_queued > transfer.num_cached_blocks:
                 raise TransferFailed("the prefill worker ran out of KV blocks and preempted the "
                                      "request while its KV was being pushed; retry it")
             num_computed = min(num_computed_tokens, live.num_computed_tokens)
@@ -284,6 +289,7 @@ class _PrefillJob:
         """Free everything this call still holds, in a safe order (see the module docstring)."""
         if self.transfer is not None:
             await self.transfer.settle(SETTLE_TIMEOUT_S)
+            self._count_transfer()
         if self.adding is not None and await self._was_added():
             request_id = self.request_id
             try:
@@ -302,6 +308,13 @@ class _PrefillJob:
                 log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
                             self.target.address, exc.details())
 
+
+    def _count_transfer(self) -> None:
+        transfer, counters = self.transfer, self.worker.transfer_counters
+        transfer.collect_quietly()
+        counters.num_blocks_sent += transfer.num_blocks_sent
+        counters.num_bytes_sent += transfer.num_blocks_sent * self.worker.block_bytes
+        counters.num_blocks_skipped_cached += transfer.num_cached_blocks
 
     async def _was_added(self) -> bool:
         """Wait (one engine step at most) until add_request was applied; did it succeed?"""

@@ -1,6 +1,8 @@
 """One request's KV push: prompt blocks go to the decode reservation as soon as they are final.
 
-Prompt block ``i`` of the prefill worker goes to reserved block ``i`` of the decode worker::
+Prompt block ``i`` of the prefill worker goes to reserved block ``i`` of the decode worker,
+except the leading ``num_cached_blocks`` the decode worker already holds in its prefix cache
+(a delta transfer: those are neither sent nor waited for)::
 
     prompt tokens  |0 ........ B-1|B ....... 2B-1|2B .. P-1|
     final when     computed >= B   computed >= 2B  computed == P (the partial last block)
@@ -32,12 +34,15 @@ class TransferFailed(RuntimeError):
 class RequestTransfer:
     def __init__(self, pusher: KVPusher, remote: RemoteInfo, request_id: str,
                  dst_block_ids: Sequence[int], block_size: int, num_prompt_tokens: int,
-                 lease: LeaseKeeper) -> None:
+                 lease: LeaseKeeper, num_cached_blocks: int = 0) -> None:
         num_prompt_blocks = -(-num_prompt_tokens // block_size)
         if len(dst_block_ids) != num_prompt_blocks:
             raise TransferFailed(f"the decode worker reserved {len(dst_block_ids)} blocks for a "
                                  f"{num_prompt_tokens}-token prompt; {num_prompt_blocks} are needed "
                                  f"(do both workers use block size {block_size}?)")
+        if not 0 <= num_cached_blocks < num_prompt_blocks:
+            raise TransferFailed(f"the decode worker says {num_cached_blocks} of the prompt's "
+                                 f"{num_prompt_blocks} blocks are cached; the last block is always sent")
         self.pusher = pusher
         self.remote = remote
         self.request_id = request_id
@@ -45,13 +50,15 @@ class RequestTransfer:
         self.block_size = block_size
         self.num_prompt_tokens = num_prompt_tokens
         self.lease = lease
-        self.num_blocks_queued = 0
+        self.num_cached_blocks = num_cached_blocks
+        self.num_blocks_queued = num_cached_blocks  # table index of the next block to send
         self.num_blocks_sent = 0  # confirmed by the transport
         self._in_flight: list[asyncio.Future[TransferHandle]] = []
 
     @property
     def num_blocks_total(self) -> int:
-        return len(self.dst_block_ids)
+        """Blocks that need sending (the cached prefix excluded)."""
+        return len(self.dst_block_ids) - self.num_cached_blocks
 
     @property
     def deadline(self) -> float:
@@ -63,8 +70,9 @@ class RequestTransfer:
         return self.num_blocks_sent == self.num_blocks_total
 
     def num_final_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks of the prompt's table that no later step writes."""
         if num_computed_tokens >= self.num_prompt_tokens:
-            return self.num_blocks_total
+            return len(self.dst_block_ids)
         return num_computed_tokens // self.block_size
 
     async def push(self, src_block_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -91,11 +99,20 @@ class RequestTransfer:
         self.num_blocks_sent += confirmed
         return confirmed > 0
 
+    def collect_quietly(self) -> None:
+        """Account the pushes that ended successfully, ignoring failed ones (for counters)."""
+        for future in [f for f in self._in_flight if f.done()]:
+            self._in_flight.remove(future)
+            if not future.cancelled() and future.exception() is None:
+                handle = future.result()
+                if handle.state is TransferState.DONE:
+                    self.num_blocks_sent += handle.num_blocks
+
     async def wait_all(self) -> AsyncIterator[int]:
         """Yield ``num_blocks_sent`` each time it grows until every block is confirmed."""
         while not self.is_done:
             if not self._in_flight:
-                raise TransferFailed(f"{self.num_blocks_total - self.num_blocks_queued} blocks "
+                raise TransferFailed(f"{len(self.dst_block_ids) - self.num_blocks_queued} blocks "
                                      "were never queued (the prompt was not fully computed)")
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:

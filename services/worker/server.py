@@ -29,7 +29,7 @@ from services.common.grpc_server import AddServicer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
 from services.worker.kv import transfer_methods
 from services.worker.settings import apply_cpu_settings
-from services.worker.stats import WORKER_SERVICE_NAME, WorkerStatsServicer
+from services.worker.stats import WORKER_SERVICE_NAME, TransferCounters, WorkerStatsServicer
 
 log = logging.getLogger(__name__)
 STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, OSError)
@@ -49,6 +49,7 @@ class RoleHandler(abc.ABC):
     """What a role adds to the skeleton: its servicers, and what to open and close."""
 
     service_names: Sequence[str] = ()
+    transfer_counters: TransferCounters  # set by the role's __init__ (GetStats reports them)
 
     @abc.abstractmethod
     async def start(self) -> list[AddServicer]:
@@ -91,7 +92,8 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
             return engine.stats()
 
         stats = WorkerStatsServicer(read_stats, runtime.worker_id, runtime.role.value,
-                                    runtime.engine_args, transfer_methods(args.transfer))
+                                    runtime.engine_args, transfer_methods(args.transfer),
+                                    handler.transfer_counters)
         server = await start_grpc_server(
             [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
             port=args.port, host=args.host,

@@ -8,6 +8,7 @@ settings the process runs with (``engine_argv``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -19,13 +20,30 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 WORKER_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
+@dataclass
+class TransferCounters:
+    """KV blocks a worker moved since it started (``WorkerStats.kv_transfer``); the role's
+    handler adds to them on the event loop."""
+
+    num_blocks_sent: int = 0
+    num_bytes_sent: int = 0
+    num_blocks_skipped_cached: int = 0
+
+    def to_proto(self) -> worker_pb2.KVTransferCounters:
+        return worker_pb2.KVTransferCounters(num_blocks_sent=self.num_blocks_sent,
+                                             num_bytes_sent=self.num_bytes_sent,
+                                             num_blocks_skipped_cached=self.num_blocks_skipped_cached)
+
+
 class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
     """``read_stats`` returns the engine's stats, or raises RuntimeError (answered UNAVAILABLE)
     when the engine cannot be read."""
 
     def __init__(self, read_stats: Callable[[], Awaitable[EngineStats]], worker_id: str, role: str,
-                 engine_args: EngineArgs, transfer_methods: Sequence[int] = ()) -> None:
+                 engine_args: EngineArgs, transfer_methods: Sequence[int] = (),
+                 transfer_counters: TransferCounters | None = None) -> None:
         self.read_stats = read_stats
+        self.transfer_counters = transfer_counters or TransferCounters()
         self.worker_id = worker_id
         self.role = role
         self.transfer_methods = list(transfer_methods)
@@ -43,4 +61,5 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             block_size=stats.block_size, num_running_requests=stats.num_running_requests,
             num_waiting_requests=stats.num_waiting_requests,
             num_outstanding_prefill_tokens=stats.num_outstanding_prefill_tokens,
-            transfer_methods=self.transfer_methods, engine_argv=self.engine_argv)
+            transfer_methods=self.transfer_methods, engine_argv=self.engine_argv,
+            kv_transfer=self.transfer_counters.to_proto())

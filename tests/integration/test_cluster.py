@@ -350,8 +350,10 @@ def test_unclaimed_or_abandoned_reservations_are_released_after_their_lease(clus
         replies = [stub.ReserveBlocks(reserve(r), timeout=5) for r in ("never-claimed", "bad-claim")]
         assert [r.reservation.lease_ms for r in replies] == [LEASE_MS, LEASE_MS]
         stats = decode.stats()
-        assert stats.num_free_blocks == stats.num_total_blocks - sum(
-            len(r.reservation.block_ids) for r in replies)
+        # Both tables start with the prompt's blocks cached by earlier tests (shared, held
+        # once each); the rest of each is its own.
+        held = {b for r in replies for b in r.reservation.block_ids}
+        assert stats.num_free_blocks == stats.num_total_blocks - len(held)
         with pytest.raises(grpc.RpcError) as err:
             stub.ReserveBlocks(reserve("never-claimed"), timeout=5)
         assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
@@ -396,6 +398,48 @@ def test_full_decode_workers_mean_overloaded_and_nothing_leaks(cluster, prompt_i
             with grpc.insecure_channel(decode.address) as channel:
                 worker_pb2_grpc.DecodeServiceStub(channel).ReleaseBlocks(
                     worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=5)
+    assert_no_leaks(cluster)
+
+
+BLOCK_SIZE = 16
+BLOCK_BYTES = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2-135M fp32: layers x K/V x tokens x heads x dim
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "nixl"])
+def test_delta_transfer_sends_only_the_blocks_the_decode_worker_lacks(cluster, llm, transfer):
+    """A second prompt sharing a long prefix with the first, on the same pair of workers: the
+    decode worker reuses the prefix blocks it cached, the prefill worker sends only the rest,
+    and the bytes moved are exactly (prompt blocks - cached blocks) x block bytes."""
+    prefill, decode = prefills(cluster)[0], decodes(cluster)[0]
+    shared = llm.tokenizer.encode(f"[{transfer}] " + " ".join(
+        f"Step {i}: stir the pot and taste the soup." for i in range(9)))
+    assert len(shared) >= 6 * BLOCK_SIZE
+    first, second = shared + llm.tokenizer.encode(" Then"), shared + llm.tokenizer.encode(" Finally, serve it.")
+    expected = offline(llm, [first, second], GREEDY)
+
+    async def run_one(prompt):
+        backend = DisaggregatedBackend([prefill.address], [decode.address], transfer, poll_interval_s=0.2)
+        await backend.start()
+        try:
+            return await collect(backend, f"delta-{transfer}-{len(prompt)}", prompt, GREEDY)
+        finally:
+            await backend.close()
+
+    got, counted = [], []
+    for prompt in (first, second):
+        before = prefill.stats().kv_transfer, decode.stats().kv_transfer
+        got.append([asyncio.run(run_one(prompt))[0]])
+        after = prefill.stats().kv_transfer, decode.stats().kv_transfer
+        counted.append(tuple(getattr(a, f) - getattr(b, f) for a, b in zip(after, before)
+                             for f in ("num_blocks_sent", "num_bytes_sent", "num_blocks_skipped_cached")))
+    assert got == expected
+    num_blocks = [-(-len(p) // BLOCK_SIZE) for p in (first, second)]
+    # The shared full blocks, cached by the decode worker from the first request.
+    num_cached = min(len(shared) // BLOCK_SIZE, (len(second) - 1) // BLOCK_SIZE)
+    # (prefill: sent, bytes, skipped; decode: -, -, skipped) for each request
+    assert counted[0] == (num_blocks[0], num_blocks[0] * BLOCK_BYTES, 0, 0, 0, 0)
+    assert counted[1] == (num_blocks[1] - num_cached, (num_blocks[1] - num_cached) * BLOCK_BYTES,
+                          num_cached, 0, 0, num_cached)
     assert_no_leaks(cluster)
 
 

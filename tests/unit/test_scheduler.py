@@ -507,3 +507,32 @@ def test_prompt_logprobs_survive_preemption_and_prefix_hits(new_scheduler):
     (output,) = run_until_idle(runner)
     assert output.prompt_logprobs == [None, 1, 2, 3, 4, 5]
     assert all_blocks_free(scheduler)
+
+
+def test_decode_role_reservation_reuses_the_cached_prefix(new_scheduler):
+    # x's prompt lands and decodes; its full prompt blocks stay in the prefix cache. y shares
+    # the first 8 tokens (2 blocks of 4): its reservation starts with x's blocks, and only the
+    # rest is to be written by the prefill worker (delta transfer).
+    scheduler, runner = new_scheduler(num_blocks=8, block_size=4, role=Role.DECODE)
+    prefix = [5, 6, 7, 8, 9, 10, 11, 12]
+    x_blocks = scheduler.reserve_remote(make_request("x", prefix + [13, 14], max_tokens=2))
+    assert scheduler.requests["x"].num_cached_tokens == 0
+    _land(scheduler, runner, "x", 42)
+    runner.step()
+    assert "x" not in scheduler.requests and all_blocks_free(scheduler)
+
+    y_blocks = scheduler.reserve_remote(make_request("y", prefix + [20, 21, 22], max_tokens=2))
+    assert y_blocks[:2] == x_blocks[:2] and len(y_blocks) == 3
+    assert scheduler.requests["y"].num_cached_tokens == 8
+    # A salted request (another tenant) never shares them, nor does a prompt that ends on the
+    # boundary reuse its last block (the last token is always sent).
+    z_blocks = scheduler.reserve_remote(make_request("z", prefix + [20], max_tokens=2, cache_salt="t"))
+    assert not set(z_blocks) & set(y_blocks) and scheduler.requests["z"].num_cached_tokens == 0
+    w_blocks = scheduler.reserve_remote(make_request("w", prefix, max_tokens=2))
+    assert w_blocks[0] == x_blocks[0] and scheduler.requests["w"].num_cached_tokens == 4
+    for request_id in ("y", "z", "w"):
+        _land(scheduler, runner, request_id, 42)
+    while scheduler.has_unfinished_requests():
+        runner.step()
+    assert all_blocks_free(scheduler)
+    scheduler.kv_manager.check_integrity()
