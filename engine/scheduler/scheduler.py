@@ -96,13 +96,19 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
         self._update_block_hashes(request)
-        cached_blocks, num_cached = [], 0
+        cached_blocks: list[KVBlock] = []
+        host_hits: list[HostEntry] = []
+        num_cached = num_lookup = 0
         if self.enable_prefix_caching:
-            cached_blocks, num_cached = self.kv_manager.get_computed_blocks(
-                request.block_hashes, request.num_prompt_tokens)
+            cached_blocks, host_hits, num_cached, num_lookup = self._lookup_prefix(request)
         if self.kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens,
                                           cached_blocks, num_cached) is None:
+            self.host_tier.release(host_hits)
             return None
+        if host_hits:
+            num_cached = self._load_host_hits(request, len(cached_blocks), host_hits)
+        if self.enable_prefix_caching:
+            self._record_lookup(num_lookup, len(cached_blocks), num_cached)
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
@@ -166,30 +172,10 @@ class Scheduler:
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
-            computed_blocks: list[KVBlock] = []
-            host_hits: list[HostEntry] = []
-            num_computed = request.num_computed_tokens
-            # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
-            is_lookup = (num_computed == 0 and self.enable_prefix_caching
-                         and request.sampling_params.prompt_logprobs is None)
-            if is_lookup:
-                computed_blocks, num_computed = self.kv_manager.get_computed_blocks(
-                    request.block_hashes, request.num_tokens)
-                num_lookup = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-                host_hits = self.host_tier.match(request.block_hashes[len(computed_blocks):num_lookup])
-                num_computed += len(host_hits) * self.block_size
-            num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
-            if not self._allocate_queued(request, num_computed + num_new, computed_blocks,
-                                         num_computed):
-                self.host_tier.release(host_hits)
+            admitted = self._admit_queued(request, budget)
+            if admitted is None:
                 break
-            if host_hits:
-                num_computed_before = num_computed
-                num_computed = self._load_host_hits(request, len(computed_blocks), host_hits)
-                num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap(),
-                              num_computed_before + num_new - num_computed)
-            if is_lookup:
-                self._record_lookup(num_lookup, len(computed_blocks), num_computed)
+            num_computed, num_new = admitted
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
@@ -219,8 +205,34 @@ class Scheduler:
                 return False
         return True
 
+    def _admit_queued(self, request: Request, budget: int) -> tuple[int, int] | None:
+        """Blocks for a queued request: its cached prefix (device blocks, then the host tier's,
+        loaded now) and this step's tokens. Returns (computed tokens, tokens to schedule), or
+        None, changing nothing, when they do not fit."""
+        computed_blocks: list[KVBlock] = []
+        host_hits: list[HostEntry] = []
+        num_computed, num_lookup = request.num_computed_tokens, 0
+        # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
+        is_lookup = (num_computed == 0 and self.enable_prefix_caching
+                     and request.sampling_params.prompt_logprobs is None)
+        if is_lookup:
+            computed_blocks, host_hits, num_computed, num_lookup = self._lookup_prefix(request)
+        num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
+        if not self._allocate_queued(request, num_computed + num_new, computed_blocks, num_computed):
+            self.host_tier.release(host_hits)
+            return None
+        if host_hits:
+            num_allocated = num_computed + num_new
+            num_computed = self._load_host_hits(request, len(computed_blocks), host_hits)
+            # A short load recomputes what it missed, within this step's budget and blocks.
+            num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap(),
+                          num_allocated - num_computed)
+        if is_lookup:
+            self._record_lookup(num_lookup, len(computed_blocks), num_computed)
+        return num_computed, num_new
+
     def _allocate_queued(self, request: Request, num_total_tokens: int,
-                         computed_blocks: list, num_computed: int) -> bool:
+                         computed_blocks: list[KVBlock], num_computed: int) -> bool:
         """Blocks for a queued request to be admitted. When there are none and nothing runs
         that would free some, requests queued behind it with landed KV give theirs up."""
         while self.kv_manager.allocate_slots(request.request_id, num_total_tokens,
@@ -228,6 +240,16 @@ class Scheduler:
             if self.running or not self._evict_queued_kv(request):
                 return False
         return True
+
+    def _lookup_prefix(self, request: Request) -> tuple[list[KVBlock], list[HostEntry], int, int]:
+        """The request's cached prefix: device blocks (no reference taken), then the host tier's
+        continuation of the chain (pinned: load or release them), the tokens both cover, and
+        how many blocks were looked up (the last token is always left to compute)."""
+        computed_blocks, num_computed = self.kv_manager.get_computed_blocks(request.block_hashes,
+                                                                           request.num_tokens)
+        num_lookup = min(max(request.num_tokens - 1, 0) // self.block_size, len(request.block_hashes))
+        host_hits = self.host_tier.match(request.block_hashes[len(computed_blocks):num_lookup])
+        return computed_blocks, host_hits, num_computed + len(host_hits) * self.block_size, num_lookup
 
     def _load_host_hits(self, request: Request, num_device_blocks: int, host_hits: list[HostEntry]) -> int:
         """Load the host tier's blocks into the fresh device blocks that follow the device hit in

@@ -119,3 +119,26 @@ def test_admission_that_does_not_fit_releases_the_host_pins(setup):
             break
         runner.step()
     assert not scheduler.has_unfinished_requests()
+
+
+def test_a_reservation_reuses_the_host_tier_too(setup):
+    """DECODE: a prompt whose prefix was pushed down to the host is reloaded into the reserved
+    table; the peer sends only the blocks after it (delta transfer counts the host too)."""
+    scheduler, tier, runner = setup
+    runner.run(make_request("a1", PROMPT_A, max_tokens=1))
+    runner.run(make_request("b", PROMPT_B, max_tokens=1))
+    request = make_request("remote", PROMPT_A, max_tokens=2)
+    block_ids = scheduler.reserve_remote(request)
+    tier.flush()
+    assert request.num_cached_tokens == 12 and len(block_ids) == 4
+    assert [tier.device_cache[b].tolist() for b in block_ids[:3]] == [
+        [float(t) for t in PROMPT_A[i:i + BS]] for i in range(0, 12, BS)]
+    assert tier.counters.num_hit_blocks == 3
+    for pos in range(12, 13):  # the prefill worker writes the rest
+        tier.device_cache[block_ids[pos // BS], pos % BS] = PROMPT_A[pos]
+    scheduler.finish_remote_kv("remote", 100)
+    for _ in range(10):
+        if not scheduler.has_unfinished_requests():
+            break
+        runner.step()
+    assert not scheduler.has_unfinished_requests()
