@@ -233,7 +233,7 @@ class EngineCore:
 
     def _tier_stats(self) -> tuple[TierStats, ...]:
         pool = self.block_pool
-        device = TierStats.of(Tier.DEVICE, pool.num_blocks, len(pool.cached_block_hashes()),
+        device = TierStats.of(Tier.DEVICE, pool.num_blocks, pool.num_cached_blocks,
                               pool.num_stored_blocks, pool.num_evicted_blocks, self.scheduler.device_counters)
         if not isinstance(self.host_tier, HostTier):
             return (device,)

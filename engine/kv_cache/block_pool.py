@@ -190,6 +190,11 @@ class BlockPool:
         """The block holding ``block_hash`` (in use or free), or None. Does not take a reference."""
         return self._cached.get(block_hash)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a hash (in use or free)."""
+        return len(self._cached)
+
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every hash this pool holds now (in use or free), in no particular order."""
         return list(self._cached)
