@@ -8,9 +8,10 @@ evicted blocks keep their contents until their new owners write them, which happ
 forward (or the copy-on-write copies, the layer-skip drafter, a remote KV write) of the same
 step. The engine calls it right after ``schedule`` (and after ``reserve_remote``), and ``load``
 calls it first, since a load may write into a block evicted earlier in the same schedule.
-Cost: one run copy per chain of consecutive blocks, 30-80 us per 737 KB block on the 2-core dev
-CPU, against 15-50 ms to compute that block's 16 tokens: offload adds under 1 % to a step that
-evicts.
+Cost (``copy_block_runs``): 30-250 us per 737 KB SmolLM2 block on the 2-core dev CPU, idle to
+fully contended, against 50-80 ms to compute that block's 16 tokens at the 200-300 prefill tok/s
+the engine measured there: offload adds well under 1 % to a step that evicts, so it runs inline
+on the engine thread (no second thread to contend with the forward's OpenMP team).
 
 Reload. At admission, after the device prefix hit, the scheduler asks ``match`` for the host
 entries continuing the chain (pinned, and only when ``LoadCostModel.should_load``), allocates

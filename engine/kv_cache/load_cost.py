@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class LoadCostDefaults:
-    """Estimates before the first measurement. Loads: a 737 KB SmolLM2 block copies in 30-80 us
-    on the 2-core dev CPU (see ``copy_block_runs``), 200 leaves room for slower memory. Prefill:
-    the slowest CPU measured (AVX2, docs/benchmarks.md) computes a few hundred tokens/s."""
+    """Estimates before the first measurement. Loads: a 737 KB SmolLM2 block copies in 30-250 us
+    on the 2-core dev CPU (see ``copy_block_runs``). Prefill: the engine measured 200-300 tok/s
+    there with the cores shared; a GPU is far faster at both, and the measurements take over
+    after the first load and the first prefill step."""
 
     load_us_per_block: float = 200.0
     prefill_tok_s: float = 300.0

@@ -17,6 +17,12 @@ Contract, from the host tier's side:
   (a host staging tensor with the device layout) and returns how many it wrote; the request
   recomputes from the first block not written (a failed or slow load is a short count, never an
   exception).
+
+Wiring today: ``EngineCore(config, loaded, lower_tier=...)`` hands ``offer`` to the host pool's
+eviction path. ``match``/``load`` are the admission half, not called yet: they belong in
+``Scheduler._lookup_prefix`` after the host hit (``match`` on the hashes the host missed, gated by
+a ``LoadCostModel`` of their own), with ``load`` staging into host slots reserved for them and the
+host tier's ``load`` moving them up in the same batch as the host hits.
 """
 
 from __future__ import annotations
