@@ -53,12 +53,19 @@ class HostTier:
         return True
 
     def on_device_evict(self, blocks: list[KVBlock]) -> None:
-        """BlockPool eviction listener: reserve host slots and record the copies (see ``flush``)."""
-        for block in blocks:
+        """BlockPool eviction listener: reserve host slots and record the copies (see ``flush``).
+
+        The pool evicts a chain tail first; the slots are reserved parents first, so a chain
+        gets consecutive slots (one run copy) and one coalesced Stored(HOST), and then touched
+        tails first, so the host LRU, like the device's, evicts a chain's tail before its prefix."""
+        entries = []
+        for block in _parents_first(blocks):
             assert block.block_hash is not None
             entry = self.host_pool.reserve(block.block_hash, block.parent_hash, block.token_ids)
             if entry is not None:
                 self._pending.append((block.block_id, entry))
+                entries.append(entry)
+        self.host_pool.touch(entries[::-1])
 
     def flush(self) -> None:
         """Copy the recorded offloads down, in one batch. Call before any device block is written."""
@@ -106,7 +113,7 @@ class HostTier:
         if num_loaded < len(entries):
             self.counters.num_load_failures += 1
             self.host_pool.discard(entries[num_loaded])
-        self.host_pool.touch(entries[:num_loaded])
+        self.host_pool.touch(entries[num_loaded - 1::-1] if num_loaded else [])  # the prefix stays longest
         self.counters.num_loaded_bytes += num_loaded * self.host_pool.block_bytes
         return num_loaded
 
@@ -139,6 +146,22 @@ class HostTier:
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} offload copies recorded but not flushed between steps")
         self.host_pool.check_integrity(at_rest=True)
+
+
+def _parents_first(blocks: list[KVBlock]) -> list[KVBlock]:
+    """``blocks`` reordered so that a block whose parent is also among them comes after it."""
+    by_hash = {b.block_hash: b for b in blocks}
+    ordered: list[KVBlock] = []
+    placed: set[BlockHash | None] = set()
+    for block in blocks:
+        ancestors: list[KVBlock] = []
+        current: KVBlock | None = block
+        while current is not None and current.block_hash not in placed:
+            ancestors.append(current)
+            placed.add(current.block_hash)
+            current = by_hash.get(current.parent_hash)
+        ordered.extend(reversed(ancestors))
+    return ordered
 
 
 class NoHostTier:

@@ -40,11 +40,13 @@ def test_eviction_offloads_stored_host_before_removed_device_then_a_hit_reloads(
 
     # B needs all 4 blocks: A's cached ones are evicted (the queue frees a table tail first).
     assert runner.run(make_request("b", PROMPT_B, max_tokens=2))[1] == 0
-    stored_host = [BlockStored([HA[i]], HA[i - 1] if i else None, PROMPT_A[4 * i:4 * i + 4], BS, Tier.HOST)
-                   for i in (2, 1, 0)]
-    assert events(scheduler) == [*stored_host, BlockRemoved([HA[2], HA[1], HA[0]], Tier.DEVICE),
+    # Evicted tail first, stored below parents first (one chain event, consecutive slots) and
+    # aged tail first on the host too.
+    assert events(scheduler) == [BlockStored(HA[:3], None, PROMPT_A[:12], BS, Tier.HOST),
+                                 BlockRemoved([HA[2], HA[1], HA[0]], Tier.DEVICE),
                                  BlockStored(HB[:3], None, PROMPT_B[:12], BS, Tier.DEVICE)]
-    assert tier.host_pool.cached_block_hashes() == [HA[2], HA[1], HA[0]]
+    assert [tier.host_pool.get(h).slot for h in HA[:3]] == [0, 1, 2]
+    assert tier.host_pool.cached_block_hashes() == [HA[2], HA[1], HA[0]]  # LRU first
 
     # A again: nothing on device, all 3 blocks from the host; the runner reads them back.
     assert runner.run(make_request("a2", PROMPT_A, max_tokens=2)) == ([100, 101], 12)
@@ -142,3 +144,13 @@ def test_a_reservation_reuses_the_host_tier_too(setup):
             break
         runner.step()
     assert not scheduler.has_unfinished_requests()
+
+
+def test_host_lru_evicts_a_chain_tail_before_its_prefix():
+    scheduler, tier = make_tier_scheduler(num_blocks=4, num_host_blocks=4, block_size=BS)
+    runner = TierRunner(scheduler, tier)
+    runner.run(make_request("a1", PROMPT_A, max_tokens=1))
+    runner.run(make_request("b", PROMPT_B, max_tokens=1))  # A's 3 blocks go to the host
+    runner.run(make_request("c", list(range(301, 314)), max_tokens=1))  # B's 3 come down: 2 must go
+    assert set(tier.host_pool.cached_block_hashes()) == {HA[0], *HB[:3]}  # A's tail went, its prefix stayed
+    assert runner.run(make_request("a2", PROMPT_A[:5], max_tokens=1)) == ([100], 4)
