@@ -48,10 +48,6 @@ class HostTier:
         self.counters = TierCounters()
         self._pending: list[tuple[int, HostEntry]] = []  # (device block id, pinned host entry)
 
-    @property
-    def is_enabled(self) -> bool:
-        return True
-
     def on_device_evict(self, blocks: list[KVBlock]) -> None:
         """BlockPool eviction listener: reserve host slots and record the copies (see ``flush``).
 
@@ -74,10 +70,13 @@ class HostTier:
         pending, self._pending = self._pending, []
         entries = [entry for _, entry in pending]
         try:
-            copy_block_runs(self.host_pool.kv_cache, [e.slot for e in entries], self.device_cache,
-                            [block_id for block_id, _ in pending])
-        finally:
+            self.copy_to_host([e.slot for e in entries], [block_id for block_id, _ in pending])
+        except RuntimeError:  # a failed copy down loses those blocks, nothing else
             self.host_pool.unpin(entries)
+            for entry in entries:
+                self.host_pool.discard(entry)
+            return
+        self.host_pool.unpin(entries)
         self.counters.num_offloaded_bytes += len(entries) * self.host_pool.block_bytes
 
     def match(self, block_hashes: Sequence[BlockHash]) -> list[HostEntry]:
@@ -116,6 +115,10 @@ class HostTier:
         self.host_pool.touch(entries[num_loaded - 1::-1] if num_loaded else [])  # the prefix stays longest
         self.counters.num_loaded_bytes += num_loaded * self.host_pool.block_bytes
         return num_loaded
+
+    def copy_to_host(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """``host[slots[i]] = device_cache[block_ids[i]]``; raises RuntimeError if a copy fails."""
+        copy_block_runs(self.host_pool.kv_cache, slots, self.device_cache, block_ids)
 
     def copy_to_device(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """``device_cache[block_ids[i]] = host[slots[i]]``; raises RuntimeError if a copy fails."""
@@ -166,10 +169,6 @@ def _parents_first(blocks: list[KVBlock]) -> list[KVBlock]:
 
 class NoHostTier:
     """The host tier turned off (``cpu_offload_gb`` 0, or no prefix caching): nothing is kept."""
-
-    @property
-    def is_enabled(self) -> bool:
-        return False
 
     def flush(self) -> None:
         pass

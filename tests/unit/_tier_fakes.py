@@ -27,10 +27,17 @@ from tests.unit._scheduler_fakes import counting_token
 
 
 class FlakyHostTier(HostTier):
-    """A host tier whose copies up from the slots in ``failing_slots`` raise, as a failed DMA would
-    (fault injection: every other part is the real one)."""
+    """A host tier whose copies up from the slots in ``failing_slots`` raise, and whose copies
+    down raise while ``is_offload_failing``, as a failed DMA would (fault injection: every other
+    part is the real one)."""
 
     failing_slots: set[int]
+    is_offload_failing: bool = False
+
+    def copy_to_host(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        if self.is_offload_failing:
+            raise RuntimeError(f"injected offload failure on host slots {list(slots)}")
+        super().copy_to_host(slots, block_ids)
 
     def copy_to_device(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         if set(slots) & self.failing_slots:

@@ -154,3 +154,17 @@ def test_host_lru_evicts_a_chain_tail_before_its_prefix():
     runner.run(make_request("c", list(range(301, 314)), max_tokens=1))  # B's 3 come down: 2 must go
     assert set(tier.host_pool.cached_block_hashes()) == {HA[0], *HB[:3]}  # A's tail went, its prefix stayed
     assert runner.run(make_request("a2", PROMPT_A[:5], max_tokens=1)) == ([100], 4)
+
+
+def test_a_failed_offload_drops_those_blocks_and_nothing_else(setup):
+    scheduler, tier, runner = setup
+    runner.run(make_request("a1", PROMPT_A, max_tokens=1))
+    events(scheduler)
+    tier.is_offload_failing = True
+    runner.run(make_request("b", PROMPT_B, max_tokens=1))
+    tier.is_offload_failing = False
+    assert events(scheduler)[:3] == [BlockStored(HA[:3], None, PROMPT_A[:12], BS, Tier.HOST),
+                                     BlockRemoved([HA[2], HA[1], HA[0]], Tier.DEVICE),
+                                     BlockRemoved(HA[:3], Tier.HOST)]
+    assert tier.host_pool.num_cached_blocks == 0
+    assert runner.run(make_request("a2", PROMPT_A, max_tokens=2)) == ([100, 101], 0)  # recomputed
