@@ -61,7 +61,8 @@ class EngineCore:
             return NoHostTier()
         host_pool = HostBlockPool(num_host_blocks, tuple(kv_cache.shape[1:]), kv_cache.dtype,
                                   event_sink=self.block_pool.queue_event,
-                                  on_evict=lower_tier.offer if lower_tier is not None else None)
+                                  on_evict=lower_tier.offer if lower_tier is not None else None,
+                                  pin_memory=kv_cache.is_cuda)
         host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size))
         self.block_pool.set_eviction_listener(host_tier.on_device_evict)
         return host_tier

@@ -2,8 +2,9 @@
 
 Layout: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, the device cache's
 (``CacheConfig``), so one block is one contiguous region (one memcpy, one NIXL descriptor) and
-a run of consecutive slots is one copy. The tensor is pinned when CUDA is available (async
-host<->device copies), plain memory otherwise; ``torch.empty`` so untouched slots cost nothing.
+a run of consecutive slots is one copy. The tensor is pinned for a CUDA device cache (DMA
+host<->device copies; ``pin_memory`` None: whenever CUDA is available), plain memory otherwise;
+``torch.empty``, so on a CPU untouched slots cost no memory.
 
 Invariants (``check_integrity`` verifies them and raises with the numbers):
 
