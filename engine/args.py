@@ -23,6 +23,7 @@ from engine.config import (
     DTYPES,
     SPEC_METHODS,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     Role,
@@ -39,8 +40,8 @@ def _setting(default: Any, help_text: str, **flag_options: Any) -> Any:
 class EngineArgs:
     """Engine settings as a user gives them; ``build`` turns them into an EngineConfig.
 
-    Units: ``kv_cache_memory`` in bytes, lengths in tokens. ``num_kv_blocks`` wins over
-    ``kv_cache_memory``; ``max_model_len`` None keeps the model's context length."""
+    Units: ``kv_cache_memory`` in bytes, ``cpu_offload_gb`` in GiB (2**30 bytes), lengths in tokens.
+    ``num_kv_blocks`` wins over ``kv_cache_memory``; ``max_model_len`` None keeps the model's context length."""
 
     block_size: int = _setting(CacheConfig.block_size, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = _setting(CacheConfig.num_blocks,
@@ -49,6 +50,9 @@ class EngineArgs:
                                     "KV cache bytes, when --num-kv-blocks is not given")
     enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching,
                                            "disable the prefix cache", flag="--no-prefix-caching")
+    cpu_offload_gb: float | None = _setting(None, "host (CPU) tier GiB for blocks evicted from the KV "
+                                            "cache (default: twice the KV cache, at most a quarter of "
+                                            "free memory; 0: off)")
     max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs, "most running requests per step")
     max_num_batched_tokens: int = _setting(SchedulerConfig.max_num_batched_tokens,
                                            "token budget of one engine step")
@@ -77,6 +81,10 @@ class EngineArgs:
         A prefill engine stops after the first token, so it never speculates: the spec fields
         are validated for every role but applied for COLOCATED and DECODE only.
         Raises ConfigError naming the bad value."""
+        if self.cpu_offload_gb is not None and not 0 <= self.cpu_offload_gb < float("inf"):
+            raise ConfigError(f"cpu_offload_gb must be a finite number >= 0 (0 turns the host tier "
+                              f"off), got {self.cpu_offload_gb}")
+        cpu_offload_bytes = None if self.cpu_offload_gb is None else int(self.cpu_offload_gb * 2**30)
         if self.max_model_len is not None:
             model_config = replace(model_config, max_model_len=self.max_model_len)
         spec = SpecConfig(method=self.spec_method, k=self.spec_k, draft_model=self.draft_model,
@@ -86,7 +94,8 @@ class EngineArgs:
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
                               memory_budget_bytes=self.kv_cache_memory, dtype=self.dtype,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              cpu_offload_bytes=cpu_offload_bytes),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens, role=role),
             spec=SpecConfig() if role == Role.PREFILL else spec,

@@ -86,12 +86,18 @@ class CacheConfig:
     dtype: str = "float32"
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for a publisher to drain
+    # Host (CPU) tier bytes: None sizes it from the device pool and free memory
+    # (``storage.host_pool_num_blocks``), 0 turns the tier off.
+    cpu_offload_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.cpu_offload_bytes is not None and self.cpu_offload_bytes < 0:
+            raise ConfigError(f"CacheConfig.cpu_offload_bytes must be >= 0 (0 turns the host tier off), "
+                              f"got {self.cpu_offload_bytes}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"CacheConfig.dtype must be {'|'.join(DTYPES)}, got {self.dtype!r}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -10,7 +11,12 @@ from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.events import KVCacheEvent, Tier
 from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.host_pool import HostBlockPool
+from engine.kv_cache.host_tier import HostTier, NoHostTier
+from engine.kv_cache.load_cost import LoadCostModel
+from engine.kv_cache.lower_tier import LowerTier
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.storage import host_pool_num_blocks
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
 from engine.runner.model_runner import ModelRunner
@@ -18,14 +24,15 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import SpecDecoder
-from engine.stats import EngineStats, RemoteReservation, Sendable
+from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, lower_tier: LowerTier | None = None) -> None:
         """An engine for ``loaded`` that serves ``config.model``: the loaded model's config,
         where only ``max_model_len`` may differ (``EngineArgs.max_model_len``).
-        Raises ConfigError when any other field differs."""
+        Raises ConfigError when any other field differs. ``lower_tier`` (a kvstore client) is
+        offered the blocks the host tier evicts."""
         if dataclasses.replace(config.model, max_model_len=loaded.config.max_model_len) != loaded.config:
             raise ConfigError(f"EngineConfig.model is not the loaded model's config (only "
                               f"max_model_len may differ): {config.model} vs {loaded.config}")
@@ -37,10 +44,28 @@ class EngineCore:
         self.block_pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching,
                                     enable_events=config.cache.enable_kv_events)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
+        self.host_tier = self._build_host_tier(lower_tier)
         self.spec = SpecDecoder(config.spec, self.runner, config.cache) if config.spec.method else None
         self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
         self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
-                                   config.cache.block_size, config.cache.enable_prefix_caching)
+                                   config.cache.block_size, config.cache.enable_prefix_caching,
+                                   self.host_tier)
+
+    def _build_host_tier(self, lower_tier: LowerTier | None) -> HostTier | NoHostTier:
+        """The host tier sized by ``CacheConfig.cpu_offload_bytes``, listening to device evictions;
+        NoHostTier when it is 0 (or fits no block) or prefix caching is off."""
+        cache, kv_cache = self.config.cache, self.runner.kv_cache
+        block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        num_host_blocks = host_pool_num_blocks(cache, block_bytes, self.runner.num_blocks)
+        if not cache.enable_prefix_caching or num_host_blocks < 1:
+            return NoHostTier()
+        host_pool = HostBlockPool(num_host_blocks, tuple(kv_cache.shape[1:]), kv_cache.dtype,
+                                  event_sink=self.block_pool.queue_event,
+                                  on_evict=lower_tier.offer if lower_tier is not None else None,
+                                  pin_memory=kv_cache.is_cuda)
+        host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size))
+        self.block_pool.set_eviction_listener(host_tier.on_device_evict)
+        return host_tier
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> list[str]:
@@ -102,13 +127,15 @@ class EngineCore:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
         sched = self.scheduler.schedule()
+        self.host_tier.flush()  # before anything writes the blocks this schedule evicted
         if sched.is_empty:
             return []
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
         if self.spec is not None:
             self.spec.fill(sched, block_ids)
-        result = self.runner.execute(sched, block_ids,
-                                     self.spec.draft_probs if self.spec is not None else None)
+        start = time.perf_counter()
+        result = self.runner.execute(sched, block_ids, self.spec.draft_probs if self.spec is not None else None)
+        self._observe_forward(sum(sched.num_scheduled_tokens.values()), time.perf_counter() - start)
         if self.spec is not None:
             self.spec.record(sched, result.sampled)
         outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
@@ -116,6 +143,12 @@ class EngineCore:
             if output.finished:
                 self._forget_sample(output)
         return outputs
+
+    def _observe_forward(self, num_tokens: int, seconds: float) -> None:
+        """Feed the recompute estimate of the host tier's load decisions: a step of at least a
+        block's worth of tokens is prefill-dominated, so its rate estimates prefill tok/s."""
+        if isinstance(self.host_tier, HostTier) and num_tokens >= self.config.cache.block_size:
+            self.host_tier.cost.observe_prefill(num_tokens, seconds)
 
     def _forget_sample(self, output: RequestOutput) -> None:
         if self.spec is not None:
@@ -144,6 +177,7 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                           generator)
         block_ids = self.scheduler.reserve_remote(request)
+        self.host_tier.flush()  # the peer writes these blocks: copy down what they evicted first
         if block_ids is None:
             return None
         self._samples[request_id] = [request_id]
@@ -196,7 +230,33 @@ class EngineCore:
                           if r.status != RequestStatus.WAITING_FOR_REMOTE_KV)
         return EngineStats(self.block_pool.num_free_blocks, self.runner.num_blocks,
                            self.config.cache.block_size, len(self.scheduler.running),
-                           len(self.scheduler.waiting), outstanding)
+                           len(self.scheduler.waiting), outstanding, self._tier_stats())
+
+    def _tier_stats(self) -> tuple[TierStats, ...]:
+        pool = self.block_pool
+        device = TierStats.of(Tier.DEVICE, pool.num_blocks, pool.num_cached_blocks,
+                              pool.num_stored_blocks, pool.num_evicted_blocks, self.scheduler.device_counters)
+        if not isinstance(self.host_tier, HostTier):
+            return (device,)
+        host_pool = self.host_tier.host_pool
+        host = TierStats.of(Tier.HOST, host_pool.num_blocks, host_pool.num_cached_blocks,
+                            host_pool.num_stored_blocks, host_pool.num_evicted_blocks, self.host_tier.counters)
+        return device, host
+
+    def cached_block_hashes(self) -> list[tuple[BlockHash, Tier]]:
+        """What this worker holds now, for a prefix-index snapshot: one (hash, tier) per block
+        and tier holding it (a block on device and host appears twice). Call it on the engine
+        thread between steps, right after draining ``take_kv_events``: the snapshot then equals
+        the state those events led to, and the next drained events continue from it."""
+        holdings = [(h, Tier.DEVICE) for h in self.block_pool.cached_block_hashes()]
+        holdings += [(h, Tier.HOST) for h in self.host_tier.cached_block_hashes()]
+        return holdings
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block on every tier (running requests keep their blocks);
+        queues one AllBlocksCleared(None): every tier."""
+        self.host_tier.clear(emit=False)
+        self.kv_manager.reset_prefix_cache()
 
     def spec_stats(self) -> dict[str, object] | None:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
@@ -210,8 +270,12 @@ class EngineCore:
         """Every block hash this engine's prefix cache holds now, with the tiers holding it: the
         state that ``take_kv_events`` reports as changes (a prefix-index snapshot). Call on the
         engine thread."""
-        return {h: Tier.DEVICE for h in self.kv_manager.cached_block_hashes()}
+        holdings: dict[BlockHash, Tier] = {}
+        for block_hash, tier in self.cached_block_hashes():
+            holdings[block_hash] = holdings.get(block_hash, Tier(0)) | tier
+        return holdings
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError if the block pool or the block tables are inconsistent."""
+        """Raise RuntimeError if the block pool, the block tables or the host tier are inconsistent."""
         self.kv_manager.check_integrity()
+        self.host_tier.check_integrity()

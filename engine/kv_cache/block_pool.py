@@ -11,14 +11,25 @@ Invariants (``check_integrity`` verifies them and raises with the numbers):
 
 The queue's head is the eviction end. Freed blocks join the tail in the order given, so callers
 free a sequence's blocks in reverse (its tail is evicted before its shared prefix).
+
+An *eviction listener* (``set_eviction_listener``) sees the cached blocks that ``get_new_blocks``
+is about to evict, all of one call at once, while they still carry their hash, parent and
+tokens and before ``BlockRemoved`` is queued: the host tier copies them down from there (their
+contents stay intact until the new owner writes, in the next forward) and its ``Stored(HOST)``
+lands in the event stream before the ``Removed(DEVICE)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from engine.kv_cache.hashing import BlockHash
 
 
@@ -29,6 +40,8 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None  # of a cached block: its parent (None: a sequence's first)
+    token_ids: tuple[int, ...] = ()  # of a cached block: its tokens
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 
@@ -96,6 +109,14 @@ class BlockPool:
         self._free = _FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVCacheEvent] = []
+        self._eviction_listener: EvictionListener | None = None
+        self.num_stored_blocks = 0  # hashes ever cached (BlockStored), for stats
+        self.num_evicted_blocks = 0  # cached blocks ever evicted for reuse (BlockRemoved)
+
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
+        """Call ``listener(blocks)`` with the cached blocks each ``get_new_blocks`` is about to
+        evict (see the module docstring), or stop calling it (None). It must not touch this pool."""
+        self._eviction_listener = listener
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,15 +136,18 @@ class BlockPool:
         """Pop ``num_blocks`` from the LRU head with ref_cnt 1, evicting any hash they carry."""
         if num_blocks > self._free.num_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self._free.num_blocks} free")
-        new_blocks = []
-        for _ in range(num_blocks):
-            block = self._free.popleft()
-            if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                self._queue_event(BlockRemoved([block.block_hash]))
-                block.block_hash = None
+        new_blocks = [self._free.popleft() for _ in range(num_blocks)]
+        evicted = [b for b in new_blocks if b.block_hash is not None]
+        if evicted and self._eviction_listener is not None:
+            self._eviction_listener(evicted)
+        for block in evicted:
+            assert block.block_hash is not None
+            del self._cached[block.block_hash]
+            self._queue_event(BlockRemoved([block.block_hash]))
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+        self.num_evicted_blocks += len(evicted)
+        for block in new_blocks:
             block.ref_cnt = 1
-            new_blocks.append(block)
         return new_blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -160,8 +184,9 @@ class BlockPool:
             return False
         if block_hash in self._cached:
             return False
-        block.block_hash = block_hash
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
         self._cached[block_hash] = block
+        self.num_stored_blocks += 1
         self._queue_event(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids)))
         return True
 
@@ -169,10 +194,19 @@ class BlockPool:
         """The block holding ``block_hash`` (in use or free), or None. Does not take a reference."""
         return self._cached.get(block_hash)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a hash (in use or free)."""
+        return len(self._cached)
+
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Hashes of every block in the prefix cache now (in use or free): what a snapshot of
-        this pool's events, applied in order, adds up to."""
+        """Every hash this pool holds now (in use or free), in no particular order."""
         return list(self._cached)
+
+    def queue_event(self, event: KVCacheEvent) -> None:
+        """Queue another tier's event into this pool's stream, so that one drain sees every tier
+        in the order things happened (runs are coalesced as for this pool's own events)."""
+        self._queue_event(event)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the queued events, oldest first."""
@@ -182,7 +216,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forget every hash. Blocks keep their contents and owners; nothing cached is reused."""
         for block in self._cached.values():
-            block.block_hash = None
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
         self._cached.clear()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
@@ -223,3 +257,7 @@ class BlockPool:
                                        token_ids=last.token_ids + event.token_ids)
         else:
             self._events.append(event)
+
+
+EvictionListener = Callable[[list[KVBlock]], None]
+"""Sees the cached blocks ``BlockPool.get_new_blocks`` is about to evict (``set_eviction_listener``)."""

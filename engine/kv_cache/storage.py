@@ -11,6 +11,8 @@ and offload, and one indexed copy for copy-on-write (``kernels.block_copy``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.config import CacheConfig, ConfigError, ModelConfig
@@ -63,3 +65,23 @@ def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Te
                          f"got {tuple(kv_cache.shape)}")
     return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
 
+
+
+def host_pool_num_blocks(cache_config: CacheConfig, block_bytes: int, num_device_blocks: int) -> int:
+    """Blocks of the host tier: ``cpu_offload_bytes // block_bytes`` when set (0: off), else twice
+    the device pool (a host tier smaller than the device pool churns), capped at a quarter of the
+    memory available now so a 24 GB machine running several workers keeps room to spare."""
+    if cache_config.cpu_offload_bytes is not None:
+        return cache_config.cpu_offload_bytes // block_bytes
+    return min(2 * num_device_blocks, _available_memory_bytes() // 4 // block_bytes)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

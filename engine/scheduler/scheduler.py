@@ -12,6 +12,10 @@ worker gives its blocks up before the last running request would preempt itself.
 The role changes only admission and stopping: PREFILL stops after the first token and keeps
 its blocks until the caller releases them (they are being sent); DECODE admits requests
 whose KV arrives from elsewhere (WAITING_FOR_REMOTE_KV) once it has landed.
+
+Admission reuses the longest cached prefix: device blocks first, then the host tier's
+continuation of the hash chain, loaded into fresh blocks before the forward when that is
+estimated faster than recomputing (``engine/kv_cache/host_tier.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from typing import TYPE_CHECKING
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.host_pool import HostEntry
+from engine.kv_cache.host_tier import HostTier, NoHostTier
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler.forks import PendingForks
 from engine.scheduler.output import RequestOutput, SchedulerOutput
+from engine.stats import TierCounters
 
 if TYPE_CHECKING:
     from engine.sampling.logprobs import PositionLogprobs
@@ -35,8 +42,11 @@ if TYPE_CHECKING:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, model_config: ModelConfig,
                  kv_manager: KVCacheManager, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 host_tier: HostTier | NoHostTier | None = None) -> None:
         self.config = config
+        self.host_tier = host_tier if host_tier is not None else NoHostTier()
+        self.device_counters = TierCounters()  # the device tier's hits and misses at admission
         self.max_model_len = model_config.max_model_len
         self.kv_manager = kv_manager
         self.block_size = block_size
@@ -92,13 +102,18 @@ class Scheduler:
         self._check_fits(request)
         self._update_block_hashes(request)
         cached_blocks: list[KVBlock] = []
-        num_cached = 0
+        host_hits: list[HostEntry] = []
+        num_cached = num_lookup = 0
         if self.enable_prefix_caching:
-            cached_blocks, num_cached = self.kv_manager.get_computed_blocks(
-                request.block_hashes, request.num_prompt_tokens)
+            cached_blocks, host_hits, num_cached, num_lookup = self._lookup_prefix(request)
         if self.kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens,
                                           cached_blocks, num_cached) is None:
+            self.host_tier.release(host_hits)
             return None
+        if host_hits:
+            num_cached = self._load_host_hits(request, len(cached_blocks), host_hits)
+        if self.enable_prefix_caching:
+            self._record_lookup(num_lookup, len(cached_blocks), num_cached)
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
@@ -162,17 +177,10 @@ class Scheduler:
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
-            computed_blocks: list[KVBlock] = []
-            num_computed = request.num_computed_tokens
-            # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
-            if (num_computed == 0 and self.enable_prefix_caching
-                    and request.sampling_params.prompt_logprobs is None):
-                computed_blocks, num_computed = self.kv_manager.get_computed_blocks(
-                    request.block_hashes, request.num_tokens)
-            num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
-            if not self._allocate_queued(request, num_computed + num_new, computed_blocks,
-                                         num_computed):
+            admitted = self._admit_queued(request, budget)
+            if admitted is None:
                 break
+            num_computed, num_new = admitted
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
@@ -202,6 +210,32 @@ class Scheduler:
                 return False
         return True
 
+    def _admit_queued(self, request: Request, budget: int) -> tuple[int, int] | None:
+        """Blocks for a queued request: its cached prefix (device blocks, then the host tier's,
+        loaded now) and this step's tokens. Returns (computed tokens, tokens to schedule), or
+        None, changing nothing, when they do not fit."""
+        computed_blocks: list[KVBlock] = []
+        host_hits: list[HostEntry] = []
+        num_computed, num_lookup = request.num_computed_tokens, 0
+        # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
+        is_lookup = (num_computed == 0 and self.enable_prefix_caching
+                     and request.sampling_params.prompt_logprobs is None)
+        if is_lookup:
+            computed_blocks, host_hits, num_computed, num_lookup = self._lookup_prefix(request)
+        num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
+        if not self._allocate_queued(request, num_computed + num_new, computed_blocks, num_computed):
+            self.host_tier.release(host_hits)
+            return None
+        if host_hits:
+            num_allocated = num_computed + num_new
+            num_computed = self._load_host_hits(request, len(computed_blocks), host_hits)
+            # A short load recomputes what it missed, within this step's budget and blocks.
+            num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap(),
+                          num_allocated - num_computed)
+        if is_lookup:
+            self._record_lookup(num_lookup, len(computed_blocks), num_computed)
+        return num_computed, num_new
+
     def _allocate_queued(self, request: Request, num_total_tokens: int,
                          computed_blocks: list[KVBlock], num_computed: int) -> bool:
         """Blocks for a queued request to be admitted. When there are none and nothing runs
@@ -211,6 +245,37 @@ class Scheduler:
             if self.running or not self._evict_queued_kv(request):
                 return False
         return True
+
+    def _lookup_prefix(self, request: Request) -> tuple[list[KVBlock], list[HostEntry], int, int]:
+        """The request's cached prefix: device blocks (no reference taken), then the host tier's
+        continuation of the chain (pinned: load or release them), the tokens both cover, and
+        how many blocks were looked up (the last token is always left to compute)."""
+        computed_blocks, num_computed = self.kv_manager.get_computed_blocks(request.block_hashes,
+                                                                           request.num_tokens)
+        num_lookup = min(max(request.num_tokens - 1, 0) // self.block_size, len(request.block_hashes))
+        host_hits = self.host_tier.match(request.block_hashes[len(computed_blocks):num_lookup])
+        return computed_blocks, host_hits, num_computed + len(host_hits) * self.block_size, num_lookup
+
+    def _load_host_hits(self, request: Request, num_device_blocks: int, host_hits: list[HostEntry]) -> int:
+        """Load the host tier's blocks into the fresh device blocks that follow the device hit in
+        the request's table and cache them there (Stored(DEVICE)). Returns the request's computed
+        tokens: through the last block that loaded (the rest is recomputed, as if never hit)."""
+        block_ids = self.kv_manager.get_block_ids(request.request_id)
+        targets = block_ids[num_device_blocks:num_device_blocks + len(host_hits)]
+        num_loaded = self.host_tier.load(host_hits, targets)
+        num_computed = (num_device_blocks + num_loaded) * self.block_size
+        self.kv_manager.cache_blocks(request.request_id, request.block_hashes, num_computed,
+                                     request.token_view)
+        return num_computed
+
+    def _record_lookup(self, num_lookup: int, num_device_blocks: int, num_computed: int) -> None:
+        """Count one admission's prefix lookup: ``num_lookup`` blocks asked of the device tier,
+        what it missed asked of the host tier."""
+        num_host_blocks = num_computed // self.block_size - num_device_blocks
+        self.device_counters.num_queried_blocks += num_lookup
+        self.device_counters.num_hit_blocks += num_device_blocks
+        self.device_counters.num_hit_tokens += num_device_blocks * self.block_size
+        self.host_tier.record_query(num_lookup - num_device_blocks, num_host_blocks, self.block_size)
 
     def _evict_queued_kv(self, keep: Request) -> bool:
         """Free the blocks of the newest queued request whose KV landed from a prefill worker

@@ -35,7 +35,7 @@ CHANGED = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=100_000_00
                      enable_prefix_caching=False, max_num_seqs=7, max_num_batched_tokens=256,
                      max_model_len=384, device="cuda", dtype="bfloat16", num_threads=1,
                      spec_method="ngram", spec_k=3, draft_model="/models/draft.gguf",
-                     spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5)
+                     spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5, cpu_offload_gb=0.25)
 
 
 def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def test_build_applies_every_field():
     assert CHANGED.build(MODEL, Role.DECODE) == EngineConfig(
         model=dataclasses.replace(MODEL, max_model_len=384),
         cache=CacheConfig(block_size=32, num_blocks=48, memory_budget_bytes=100_000_000,
-                          dtype="bfloat16", enable_prefix_caching=False),
+                          dtype="bfloat16", enable_prefix_caching=False, cpu_offload_bytes=2**28),
         scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=256, role=Role.DECODE),
         spec=SpecConfig(method="ngram", k=3, draft_model="/models/draft.gguf", num_layers=6,
                         max_batch=8, draft_cost=0.5),

@@ -1,0 +1,109 @@
+"""A scheduler with a real host tier over a KV cache *tensor* of token ids, stepped like the engine.
+
+The device cache is ``[num_blocks, block_size]`` float64 holding each slot's token id (-1: never
+written), the host pool has the same block shape, and the real HostTier moves blocks between
+them. Before writing a step's tokens the runner reads back every computed position of each
+scheduled request, so a block offloaded too late (after its new owner wrote it), a reload into
+the wrong block, or a failed load that is not recomputed shows up as a request reading someone
+else's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.config import ModelConfig, Role, SchedulerConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.host_pool import HostBlockPool
+from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.load_cost import LoadCostModel
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request
+from engine.scheduler.output import RequestOutput, SchedulerOutput
+from engine.scheduler.scheduler import Scheduler
+from tests.unit._scheduler_fakes import counting_token
+
+
+class FlakyHostTier(HostTier):
+    """A host tier whose copies up from the slots in ``failing_slots`` raise, and whose copies
+    down raise while ``is_offload_failing``, as a failed DMA would (fault injection: every other
+    part is the real one)."""
+
+    failing_slots: set[int]
+    is_offload_failing: bool = False
+
+    def copy_to_host(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        if self.is_offload_failing:
+            raise RuntimeError(f"injected offload failure on host slots {list(slots)}")
+        super().copy_to_host(slots, block_ids)
+
+    def copy_to_device(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        if set(slots) & self.failing_slots:
+            raise RuntimeError(f"injected load failure on host slots {sorted(set(slots) & self.failing_slots)}")
+        super().copy_to_device(block_ids, slots)
+
+
+def make_tier_scheduler(*, num_blocks: int = 4, num_host_blocks: int = 8, block_size: int = 4,
+                        max_num_batched_tokens: int = 64, max_num_seqs: int = 4,
+                        max_model_len: int = 64) -> tuple[Scheduler, FlakyHostTier]:
+    model_config = ModelConfig("fake", vocab_size=1000, hidden_size=8, intermediate_size=16, num_layers=1,
+                               num_heads=1, num_kv_heads=1, head_dim=8, max_model_len=max_model_len)
+    pool = BlockPool(num_blocks, enable_caching=True, enable_events=True)
+    device_cache = torch.full((num_blocks, block_size), -1.0, dtype=torch.float64)
+    host_pool = HostBlockPool(num_host_blocks, (block_size,), torch.float64, event_sink=pool.queue_event)
+    tier = FlakyHostTier(host_pool, device_cache, LoadCostModel(block_size))
+    tier.failing_slots = set()
+    pool.set_eviction_listener(tier.on_device_evict)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, Role.COLOCATED), model_config,
+                          KVCacheManager(pool, block_size), block_size, True, tier)
+    return scheduler, tier
+
+
+class TierRunner:
+    """Steps a scheduler like EngineCore.step: schedule, flush offloads, copy-on-write, forward."""
+
+    def __init__(self, scheduler: Scheduler, tier: HostTier,
+                 next_token: Callable[[Request], int] = counting_token) -> None:
+        self.scheduler, self.tier, self.next_token = scheduler, tier, next_token
+        self.kv = tier.device_cache
+
+    def step(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        sched = self.scheduler.schedule()
+        self.tier.flush()
+        for src, dst in sched.copy_ops:
+            self.kv[dst] = self.kv[src]
+        sampled: dict[str, list[int]] = {}
+        for request in sched.scheduled:
+            num_new = sched.num_scheduled_tokens[request.request_id]
+            self._read_and_write(request, request.num_computed_tokens, num_new)
+            if request.num_computed_tokens + num_new >= request.num_tokens:
+                for r in [request, *sched.fork_children.get(request.request_id, ())]:
+                    sampled[r.request_id] = [self.next_token(r)]
+        return sched, self.scheduler.update(sched, sampled)
+
+    def _read_and_write(self, request: Request, start: int, num_new: int) -> None:
+        block_ids = self.scheduler.kv_manager.get_block_ids(request.request_id)
+        bs = self.scheduler.block_size
+        token_ids = request.all_token_ids
+        assert len(block_ids) * bs >= start + num_new, (request, block_ids, start, num_new)
+        seen = [int(self.kv[block_ids[p // bs], p % bs]) for p in range(start)]
+        assert seen == token_ids[:start], (f"{request} reads KV of tokens {seen}, its tokens are "
+                                           f"{token_ids[:start]} (table {block_ids})")
+        for p in range(start, start + num_new):
+            self.kv[block_ids[p // bs], p % bs] = token_ids[p]
+
+    def run(self, request: Request, max_steps: int = 100) -> tuple[list[int], int]:
+        """Add ``request`` and step until nothing is left: (its output tokens, its cached tokens)."""
+        self.scheduler.add_request(request)
+        tokens: list[int] = []
+        num_cached = -1
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return tokens, num_cached
+            for output in self.step()[1]:
+                if output.request_id == request.request_id:
+                    tokens += output.new_token_ids
+                    num_cached = output.num_cached_tokens
+        raise AssertionError(f"{request} unfinished after {max_steps} steps")
