@@ -10,6 +10,7 @@ from the tokenizer's own whole-word vocabulary, cut so the text encodes to the d
 from __future__ import annotations
 
 import random
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,6 +86,16 @@ class WordSource:
         return self.tokenizer.decode(ids)
 
 
+_word_sources: weakref.WeakKeyDictionary[TextTokenizer, WordSource] = weakref.WeakKeyDictionary()
+
+
+def word_source(tokenizer: TextTokenizer) -> WordSource:
+    """The tokenizer's WordSource, built once (it decodes the whole vocabulary)."""
+    if tokenizer not in _word_sources:
+        _word_sources[tokenizer] = WordSource(tokenizer)
+    return _word_sources[tokenizer]
+
+
 def build_requests(scenario: Scenario, tokenizer: TextTokenizer, seed: int,
                    num_requests: int | None = None) -> list[RequestSpec]:
     """``num_requests`` (default: the scenario's) requests in send order; conversations interleave."""
@@ -92,7 +103,7 @@ def build_requests(scenario: Scenario, tokenizer: TextTokenizer, seed: int,
     if count < 1:
         raise ValueError(f"num_requests must be >= 1, got {count}")
     rng = random.Random(seed)
-    source = WordSource(tokenizer)
+    source = word_source(tokenizer)
     tenants = {c.name: [source.text(rng, c.shared_prefix_tokens) for _ in range(c.num_tenants)]
                for c in scenario.classes if c.shared_prefix_tokens}
     weights = [c.weight for c in scenario.classes]
