@@ -19,7 +19,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from loadtests.load.arrivals import Arrival
-from loadtests.load.bench_load import LoadPlan, add_load_arguments, run_sweep, write_outputs
+from loadtests.load.bench_load import (
+    LoadPlan,
+    add_load_arguments,
+    run_sweep,
+    write_outputs,
+)
 from loadtests.load.record import RequestRecord
 from loadtests.load.stats import summarize
 

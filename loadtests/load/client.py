@@ -20,8 +20,15 @@ from typing import Any
 import aiohttp
 
 from loadtests.load.prompts import RequestSpec
-from loadtests.load.record import (CONNECT, EMPTY, HTTP_4XX, HTTP_5XX, STREAM_ERROR, TIMEOUT,
-                                   RequestRecord)
+from loadtests.load.record import (
+    CONNECT,
+    EMPTY,
+    HTTP_4XX,
+    HTTP_5XX,
+    STREAM_ERROR,
+    TIMEOUT,
+    RequestRecord,
+)
 
 
 def check_loopback(base_url: str, allow_remote: bool = False) -> None:
@@ -61,6 +68,7 @@ async def stream_request(session: aiohttp.ClientSession, base_url: str, model: s
             if response.status != 200:
                 record.error_kind = HTTP_4XX if response.status < 500 else HTTP_5XX
                 record.error = (await response.text())[:300]
+                record.finished = time.perf_counter()
                 return record
             async for raw in response.content:
                 line = raw.strip()

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +56,12 @@ def plot_sweep(points: Sequence[tuple[str, float, dict[str, Any]]], path: Path, 
     ``points``: ``(target, x, summary)``."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("output tok/s", lambda s: s["output_tok_per_s"]),
+    panels: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
+              ("output tok/s", lambda s: s["output_tok_per_s"]),
               ("req/s: all ok (dashed) and goodput (solid)", lambda s: s["goodput_per_s"]),
               ("TTFT p90 (s)", lambda s: s["ttft_s"]["p90"]))
     for target in dict.fromkeys(p[0] for p in points):
-        mine = sorted((x, s) for t, x, s in points if t == target)
+        mine = sorted(((x, s) for t, x, s in points if t == target), key=lambda point: point[0])
         xs = [x for x, _ in mine]
         for ax, (name, value) in zip(axes, panels):
             line = ax.plot(xs, [value(s) for _, s in mine], marker="o", label=target)

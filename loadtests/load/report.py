@@ -31,8 +31,8 @@ def machine_info() -> dict[str, Any]:
     model, flags = platform.processor(), []
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M).group(1)  # type: ignore[union-attr]
-        flags = sorted(f for f in re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M).group(1).split()  # type: ignore[union-attr]
+        model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.MULTILINE).group(1)  # type: ignore[union-attr]
+        flags = sorted(f for f in re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.MULTILINE).group(1).split()  # type: ignore[union-attr]
                        if _CPU_FLAGS.match(f))
     except (OSError, AttributeError):
         pass
@@ -63,18 +63,21 @@ def _num(value: float, digits: int = 2) -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
+def _latencies(summary: dict[str, Any], key: str, quantiles: Sequence[str] = ("p50", "p90", "p99")) -> str:
+    return " / ".join(_ms(summary[key][q]) for q in quantiles)
+
+
 def markdown_table(rows: Sequence[tuple[str, str, dict[str, Any]]]) -> str:
     """One line per ``(target, arrival label, summary)``: latencies in ms (p50 / p90 / p99)."""
-    lines = ["| target | load | ok / sent | failures | req/s | out tok/s | TTFT ms p50/p90/p99 "
-             "| TPOT ms p50/p90/p99 | ITL ms p50/p99 | E2E s p50/p99 | goodput req/s (%) |",
+    lines = [("| target | load | ok / sent | failures | req/s | out tok/s | TTFT ms p50/p90/p99 "
+             "| TPOT ms p50/p90/p99 | ITL ms p50/p99 | E2E s p50/p99 | goodput req/s (%) |"),
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for target, label, s in rows:
         failures = ", ".join(f"{n} {kind}" for kind, n in sorted(s["failures"].items())) or "0"
-        lat = lambda key, qs=("p50", "p90", "p99"): " / ".join(_ms(s[key][q]) for q in qs)  # noqa: E731
         lines.append(
             f"| {target} | {label} | {s['num_ok']} / {s['num_requests']} | {failures} "
-            f"| {_num(s['request_per_s'])} | {_num(s['output_tok_per_s'], 1)} | {lat('ttft_s')} | {lat('tpot_s')} "
-            f"| {lat('itl_s', ('p50', 'p99'))} | {_num(s['e2e_s']['p50'], 1)} / {_num(s['e2e_s']['p99'], 1)} "
+            f"| {_num(s['request_per_s'])} | {_num(s['output_tok_per_s'], 1)} | {_latencies(s, 'ttft_s')} | {_latencies(s, 'tpot_s')} "
+            f"| {_latencies(s, 'itl_s', ('p50', 'p99'))} | {_num(s['e2e_s']['p50'], 1)} / {_num(s['e2e_s']['p99'], 1)} "
             f"| {_num(s['goodput_per_s'])} ({_num(100 * s['goodput_fraction'], 0)}%) |")
     slo = rows[0][2]["slo"] if rows else {"ttft_s": float("nan"), "tpot_s": float("nan")}
     lines.append(f"\nGoodput: requests with TTFT <= {slo['ttft_s'] * 1e3:.0f} ms and "

@@ -80,7 +80,7 @@ def load_scenario(name_or_path: str) -> Scenario:
 def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     """Validate a decoded scenario document; ``source`` names it in errors."""
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a mapping at the top level")
+        raise ValueError(f"{source}: expected a mapping at the top level")  # noqa: TRY004 (bad input)
     api = data.get("api", "completions")
     if api not in APIS:
         raise ValueError(f"{source}: api must be one of {APIS}, got {api!r}")
@@ -99,7 +99,7 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
 
 def _parse_class(raw: Any, where: str) -> RequestClass:
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a mapping")
+        raise ValueError(f"{where}: expected a mapping")  # noqa: TRY004 (bad input)
     unknown = set(raw) - set(RequestClass.__dataclass_fields__)
     if unknown:
         raise ValueError(f"{where}: unknown fields {sorted(unknown)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import pytest
@@ -74,10 +75,10 @@ def test_bad_scenarios_name_the_field() -> None:
 
 def test_open_loop_schedules_have_the_requested_mean_rate() -> None:
     poisson = Arrival.poisson(4.0).send_offsets(2000, seed=1)
-    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(poisson)]
     assert poisson[0] == 0.0 and statistics.fmean(gaps) == pytest.approx(0.25, rel=0.08)
     bursty = Arrival.gamma(4.0, burstiness=0.25).send_offsets(2000, seed=1)
-    bursty_gaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    bursty_gaps = [b - a for a, b in itertools.pairwise(bursty)]
     assert statistics.fmean(bursty_gaps) == pytest.approx(0.25, rel=0.15)
     assert statistics.stdev(bursty_gaps) > 1.5 * statistics.stdev(gaps)
     assert Arrival.poisson(4.0).send_offsets(10, seed=1) == poisson[:10]
