@@ -69,11 +69,19 @@ class LoadPlan:
         self.x_label = "concurrency (closed loop)" if args.arrival == "closed" else "request rate (req/s)"
 
 
-async def _warm_up(base_url: str, model: str) -> None:
-    """Two short requests so first-use costs (compiles, allocations) stay out of the run."""
-    warm = RequestSpec(-1, "warm-up", 4, 2, prompt="Hello there")
-    await run_load(base_url, model, [warm, RequestSpec(-2, "warm-up", 4, 2, prompt="Good morning")],
-                   Arrival.closed(1), LoadBounds(60.0, 60.0), seed=0)
+async def _warm_up(base_url: str, model: str, timeout_s: float = 300.0) -> None:
+    """Short requests until two in a row succeed (at most ``timeout_s``), so first-use costs
+    (kernel builds, allocations, a worker still settling) stay out of the measured runs."""
+    deadline = time.monotonic() + timeout_s
+    warm = [RequestSpec(-1, "warm-up", 4, 2, prompt="Hello there"),
+            RequestSpec(-2, "warm-up", 4, 2, prompt="Good morning")]
+    while time.monotonic() < deadline:
+        left = max(1.0, deadline - time.monotonic())
+        result = await run_load(base_url, model, warm, Arrival.closed(1), LoadBounds(left, left), seed=0)
+        if len(result.records) == 2 and all(r.ok for r in result.records):
+            return
+        await asyncio.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+    print(f"warning: {base_url} did not answer two warm-up requests in {timeout_s:.0f} s", file=sys.stderr)
 
 
 async def _served_model(base_url: str) -> str:
