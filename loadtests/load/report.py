@@ -68,14 +68,16 @@ def _latencies(summary: dict[str, Any], key: str, quantiles: Sequence[str] = ("p
 
 
 def markdown_table(rows: Sequence[tuple[str, str, dict[str, Any]]]) -> str:
-    """One line per ``(target, arrival label, summary)``: latencies in ms (p50 / p90 / p99)."""
+    """One line per ``(target, arrival label, summary)``: latencies in ms (p50 / p90 / p99);
+    requests the time bound kept from being sent show as ``(+N not sent)``."""
     lines = [("| target | load | ok / sent | failures | req/s | out tok/s | TTFT ms p50/p90/p99 "
              "| TPOT ms p50/p90/p99 | ITL ms p50/p99 | E2E s p50/p99 | goodput req/s (%) |"),
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for target, label, s in rows:
+        not_sent = f" (+{s['num_not_sent']} not sent)" if s["num_not_sent"] else ""
         failures = ", ".join(f"{n} {kind}" for kind, n in sorted(s["failures"].items())) or "0"
         lines.append(
-            f"| {target} | {label} | {s['num_ok']} / {s['num_requests']} | {failures} "
+            f"| {target} | {label} | {s['num_ok']} / {s['num_requests']}{not_sent} | {failures} "
             f"| {_num(s['request_per_s'])} | {_num(s['output_tok_per_s'], 1)} | {_latencies(s, 'ttft_s')} | {_latencies(s, 'tpot_s')} "
             f"| {_latencies(s, 'itl_s', ('p50', 'p99'))} | {_num(s['e2e_s']['p50'], 1)} / {_num(s['e2e_s']['p99'], 1)} "
             f"| {_num(s['goodput_per_s'])} ({_num(100 * s['goodput_fraction'], 0)}%) |")
