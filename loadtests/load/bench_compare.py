@@ -26,7 +26,7 @@ from loadtests.load.bench_load import (
     write_outputs,
 )
 from loadtests.load.record import RequestRecord
-from loadtests.load.stats import summarize
+from loadtests.load.stats import run_duration, summarize
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     pooled: dict[tuple[str, Arrival], list[RequestRecord]] = defaultdict(list)
     not_sent: dict[tuple[str, Arrival], int] = defaultdict(int)
+    durations: dict[tuple[str, Arrival], float] = defaultdict(float)  # summed: repeats' clocks differ
     for repeat in range(args.repeats):
         for target in targets[repeat % len(targets):] + targets[:repeat % len(targets)]:
             stem = f"{target.name}-r{repeat}"
@@ -88,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             for arrival, records, summary in runs:
                 pooled[target.name, arrival] += records
                 not_sent[target.name, arrival] += summary["num_not_sent"]
+                durations[target.name, arrival] += run_duration(records)
     rows = [(target.name, arrival, pooled[target.name, arrival],
-             summarize(pooled[target.name, arrival], plan.slo, not_sent[target.name, arrival]))
+             summarize(pooled[target.name, arrival], plan.slo, not_sent[target.name, arrival],
+                       durations[target.name, arrival]))
             for target in targets for arrival in plan.arrivals]
     write_outputs(plan, rows)
 

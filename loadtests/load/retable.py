@@ -19,7 +19,7 @@ from loadtests.load.arrivals import Arrival
 from loadtests.load.plots import plot_cdfs, plot_sweep
 from loadtests.load.record import RequestRecord
 from loadtests.load.report import markdown_table
-from loadtests.load.stats import SLO, summarize
+from loadtests.load.stats import SLO, run_duration, summarize
 
 
 def load_runs(results_dir: Path) -> list[dict[str, Any]]:
@@ -49,13 +49,16 @@ def main(argv: list[str] | None = None) -> None:
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     pooled: dict[tuple[str, Arrival], list[RequestRecord]] = defaultdict(list)
     not_sent: dict[tuple[str, Arrival], int] = defaultdict(int)
+    durations: dict[tuple[str, Arrival], float] = defaultdict(float)
     for run in runs:
         arrival = Arrival(**{k: v for k, v in run["arrival"].items() if k != "label"})
         key = (run["target"]["name"], arrival)
-        pooled[key] += [RequestRecord.from_json(r) for r in run["requests"]]
+        records = [RequestRecord.from_json(r) for r in run["requests"]]
+        pooled[key] += records
+        durations[key] += run_duration(records)
         not_sent[key] += run["summary"]["num_not_sent"]
     rows = sorted(pooled, key=lambda key: (key[0], key[1].x))
-    summaries = {key: summarize(pooled[key], slo, not_sent[key]) for key in rows}
+    summaries = {key: summarize(pooled[key], slo, not_sent[key], durations[key]) for key in rows}
     out = Path(args.out or results_dir / f"slo-{args.slo_ttft_ms:g}-{args.slo_tpot_ms:g}")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table([(name, arrival.label, summaries[name, arrival]) for name, arrival in rows])

@@ -55,13 +55,20 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     return record.ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLO, num_not_sent: int = 0) -> dict[str, Any]:
-    """The run's metrics. Latencies in seconds; ``failures`` maps failure kind to count;
-    ``num_not_sent`` counts requests the time bound kept from being sent (not failures)."""
-    ok = [r for r in records if r.ok]
-    sent = [r.sent for r in records]
+def run_duration(records: Sequence[RequestRecord]) -> float:
+    """Seconds from the first send to the last finish of one run's records (0 for none)."""
     finished = [r.finished for r in records if r.finished]
-    duration = (max(finished) - min(sent)) if finished and sent else 0.0
+    return max(finished) - min(r.sent for r in records) if finished else 0.0
+
+
+def summarize(records: Sequence[RequestRecord], slo: SLO, num_not_sent: int = 0,
+              duration_s: float | None = None) -> dict[str, Any]:
+    """The run's metrics. Latencies in seconds; ``failures`` maps failure kind to count;
+    ``num_not_sent`` counts requests the time bound kept from being sent (not failures).
+    ``duration_s`` (default: ``run_duration(records)``) must be the sum of the runs' own
+    durations when ``records`` pools several runs (repeats), whose clocks differ."""
+    ok = [r for r in records if r.ok]
+    duration = run_duration(records) if duration_s is None else duration_s
     per_s = (lambda n: n / duration) if duration > 0 else (lambda n: float("nan"))
     num_good = sum(meets_slo(r, slo) for r in records)
     tpots = [t for r in ok if (t := r.tpot) is not None]

@@ -29,6 +29,8 @@ def test_retable_pools_repeats_and_applies_the_new_slo(tmp_path: Path) -> None:
     table = (tmp_path / "t" / "table.md").read_text()
     # 4 sent over two repeats, 2 ok, one of them within TTFT 1 s (TPOT 0.2 s each)
     assert "| disagg | 0.5 req/s | 2 / 4 | 2 http_5xx |" in table
+    # throughput over the summed durations (2.0 s + 3.2 s), not over the overlapping clocks
+    assert "| 0.38 | 0.8 |" in table
     assert "(25%) |" in table and "TTFT <= 1000 ms and TPOT <= 300 ms" in table
     assert (tmp_path / "t" / "cdf.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "disagg-r0.json").read_text())["requests"][1]["finished"] == 2.0
