@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -69,19 +70,21 @@ class LoadPlan:
         self.x_label = "concurrency (closed loop)" if args.arrival == "closed" else "request rate (req/s)"
 
 
-async def _warm_up(base_url: str, model: str, timeout_s: float = 300.0) -> None:
-    """Short requests until two in a row succeed (at most ``timeout_s``), so first-use costs
-    (kernel builds, allocations, a worker still settling) stay out of the measured runs."""
+async def _warm_up(base_url: str, model: str, requests: Sequence[RequestSpec], timeout_s: float = 300.0) -> None:
+    """A short request and the scenario's longest prompt (4 output tokens) until both succeed (at
+    most ``timeout_s``), so first-use costs (kernel builds and calibration for long prefills,
+    allocations, a worker still settling) stay out of the measured runs."""
     deadline = time.monotonic() + timeout_s
+    longest = max(requests, key=lambda spec: spec.num_prompt_tokens)
     warm = [RequestSpec(-1, "warm-up", 4, 2, prompt="Hello there"),
-            RequestSpec(-2, "warm-up", 4, 2, prompt="Good morning")]
+            dataclasses.replace(longest, index=-2, class_name="warm-up", max_tokens=4, after=None)]
     while time.monotonic() < deadline:
         left = max(1.0, deadline - time.monotonic())
         result = await run_load(base_url, model, warm, Arrival.closed(1), LoadBounds(left, left), seed=0)
-        if len(result.records) == 2 and all(r.ok for r in result.records):
+        if len(result.records) == len(warm) and all(r.ok for r in result.records):
             return
         await asyncio.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-    print(f"warning: {base_url} did not answer two warm-up requests in {timeout_s:.0f} s", file=sys.stderr)
+    print(f"warning: {base_url} did not answer the warm-up requests in {timeout_s:.0f} s", file=sys.stderr)
 
 
 async def _served_model(base_url: str) -> str:
@@ -99,7 +102,7 @@ def run_sweep(plan: LoadPlan, base_url: str, target: dict[str, Any], stem: str =
     ``(arrival, records, summary)`` per run. ``target`` describes the server for the JSON."""
     model = target.get("model") or asyncio.run(_served_model(base_url))
     target = {**target, "base_url": base_url, "model": model}
-    asyncio.run(_warm_up(base_url, model))
+    asyncio.run(_warm_up(base_url, model, plan.requests))
     runs = []
     for arrival in plan.arrivals:
         machine = machine_info()
