@@ -6,6 +6,7 @@
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
     pdserve health HOST:PORT | http://HOST:PORT/health  (exit 0 when SERVING / 200)
     pdserve bench engine|kernels|serve|spec|kv|disagg [...]  (loadtests/bench_*.py)
+    pdserve bench load|compare [...]  (loadtests/load/: scenarios, goodput at SLO, plots)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
 """
@@ -30,6 +31,8 @@ COMMANDS = {
     ("bench", "spec"): "loadtests.bench_spec",
     ("bench", "kv"): "loadtests.bench_kv_transfer",
     ("bench", "disagg"): "loadtests.bench_disagg",
+    ("bench", "load"): "loadtests.load.bench_load",
+    ("bench", "compare"): "loadtests.load.bench_compare",
 }
 
 USAGE = "usage: pdserve {" + " | ".join(" ".join(k) for k in COMMANDS) + "} [options]"
