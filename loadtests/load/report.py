@@ -78,7 +78,8 @@ def markdown_table(rows: Sequence[tuple[str, str, dict[str, Any]]]) -> str:
         failures = ", ".join(f"{n} {kind}" for kind, n in sorted(s["failures"].items())) or "0"
         lines.append(
             f"| {target} | {label} | {s['num_ok']} / {s['num_requests']}{not_sent} | {failures} "
-            f"| {_num(s['request_per_s'])} | {_num(s['output_tok_per_s'], 1)} | {_latencies(s, 'ttft_s')} | {_latencies(s, 'tpot_s')} "
+            f"| {_num(s['request_per_s'])} | {_num(s['output_tok_per_s'], 1)} "
+            f"| {_latencies(s, 'ttft_s')} | {_latencies(s, 'tpot_s')} "
             f"| {_latencies(s, 'itl_s', ('p50', 'p99'))} | {_num(s['e2e_s']['p50'], 1)} / {_num(s['e2e_s']['p99'], 1)} "
             f"| {_num(s['goodput_per_s'])} ({_num(100 * s['goodput_fraction'], 0)}%) |")
     slo = rows[0][2]["slo"] if rows else {"ttft_s": float("nan"), "tpot_s": float("nan")}
