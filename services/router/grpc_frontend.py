@@ -43,8 +43,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             generation = frontend.generate(prompt_ids, params)
             await generation.start()
         except ValueError as error:  # InvalidRequest, or the backend's verdict
+            self.state.metrics.reject("invalid", was_counted=not isinstance(error, InvalidRequest))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except Overloaded as error:
+            self.state.metrics.reject("overload", was_counted=True)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except BackendError as error:
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
