@@ -121,10 +121,15 @@ class Frontend:
             raise InvalidRequest(message, _param_of(message)) from error
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None, is_stream: bool = True) -> Generation:
+                 request_id: str | None = None, is_stream: bool = True,
+                 arrived_at: float | None = None) -> Generation:
         """A not-yet-started request; ``async with`` starts it (see the module docstring).
-        ``is_stream`` only labels its metrics (``request_type``)."""
-        return Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params, is_stream)
+        Metrics only: ``is_stream`` labels it (``request_type``); ``arrived_at`` (monotonic s,
+        when the edge received it) times the ``router_queue`` TTFT stage up to now."""
+        generation = Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params, is_stream)
+        if arrived_at is not None:
+            self.metrics.stages.observe("router_queue", generation.sent_at - arrived_at)
+        return generation
 
 
 class Generation:
@@ -153,6 +158,7 @@ class Generation:
         self._is_closed = False
         self._has_sent_prompt_logprobs = False
         self._timer = frontend.metrics.request(len(prompt_ids), is_stream)
+        self.sent_at = self._timer.sent_at
         self._has_failed = False
 
     @property

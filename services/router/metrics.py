@@ -16,7 +16,8 @@ e.g.::
     recorder.routing.set_index_available(False); recorder.routing.fallback("redis_down")
 
 A backend gets them through ``Backend.attach_metrics(metrics)`` (a no-op by default; override
-it to keep ``metrics``), which the Router calls before ``start``. Stage names: ``STAGES``; a stage outside them is a ValueError (a typo would
+it to keep ``metrics``), which the Router calls before ``start``. Stage names: ``STAGES``; a
+stage outside them is a ValueError (a typo would
 otherwise become a series no dashboard shows).
 """
 
@@ -29,7 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, TTFT_BUCKETS_S, new_registry
 
-STAGES = ("router_queue", "index_lookup", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admit")
+STAGES = ("router_queue", "index_lookup", "prefill_queue", "prefill_compute", "kv_transfer",
+          "decode_admit")
 STATUSES = ("success", "error", "cancelled")
 REJECT_REASONS = ("auth", "overload", "invalid")
 

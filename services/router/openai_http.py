@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +169,7 @@ class _Handlers:
 
     async def _generate(self, request: web.Request,
                         parse: Callable[[dict[str, Any]], OpenAIRequest]) -> web.StreamResponse:
+        arrived_at = time.monotonic()
         frontend = self._frontend()
         api = parse(parse_json_body(await request.read()))
         if api.model is not None and api.model != frontend.model.name:
@@ -175,7 +177,8 @@ class _Handlers:
                                  f"{frontend.model.name!r}", "model", "model_not_found")
         prompt_ids = frontend.tokenize(api.prompt, api.messages, api.add_generation_prompt)
         params = frontend.check(prompt_ids, api.params)
-        async with frontend.generate(prompt_ids, params, is_stream=api.stream) as generation:
+        async with frontend.generate(prompt_ids, params, is_stream=api.stream,
+                                     arrived_at=arrived_at) as generation:
             render = ResponseRenderer(api, frontend, generation)
             if api.stream:
                 return await _stream(request, api, generation, render)
