@@ -101,8 +101,10 @@ class WorkerMetrics:
     collector: EngineCollector | None
 
     @classmethod
-    def create(cls, engine: AsyncEngine, model_name: str, worker_id: str, role: str) -> WorkerMetrics:
-        registry = new_registry()
+    def create(cls, engine: AsyncEngine, model_name: str, worker_id: str, role: str,
+               registry: CollectorRegistry | None = None) -> WorkerMetrics:
+        """On a new registry, or on ``registry`` (the colocated router's, next to its own names)."""
+        registry = registry or new_registry()
         labels = (model_name, "0", role, worker_id)
         collector = EngineCollector(engine, labels)
         registry.register(collector)
