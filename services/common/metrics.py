@@ -47,7 +47,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 def new_registry() -> CollectorRegistry:
     """A registry with the process and platform collectors (``process_*``, ``python_info``).
     Each service object owns one, so two routers in one test process do not collide."""
-    registry = CollectorRegistry(auto_describe=True)
+    registry = CollectorRegistry()  # no auto_describe: collectors are read only when scraped
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry

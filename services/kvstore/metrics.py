@@ -15,7 +15,6 @@ from prometheus_client.registry import Collector
 
 from services.kvstore.config import StoreStats
 
-
 STATS_TIMEOUT_S = 2.0
 
 

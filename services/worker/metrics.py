@@ -23,7 +23,6 @@ the finish reason. ``NullRequestTimer`` is what a worker started with ``--metric
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
