@@ -230,7 +230,8 @@ class EngineCore:
                           if r.status != RequestStatus.WAITING_FOR_REMOTE_KV)
         return EngineStats(self.block_pool.num_free_blocks, self.runner.num_blocks,
                            self.config.cache.block_size, len(self.scheduler.running),
-                           len(self.scheduler.waiting), outstanding, self._tier_stats())
+                           len(self.scheduler.waiting), outstanding, self._tier_stats(),
+                           self.scheduler.num_preemptions)
 
     def _tier_stats(self) -> tuple[TierStats, ...]:
         pool = self.block_pool

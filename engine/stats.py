@@ -62,6 +62,7 @@ class EngineStats:
     num_waiting_requests: int
     num_outstanding_prefill_tokens: int  # prompt tokens admitted, not computed, not arriving from a peer
     tiers: tuple[TierStats, ...] = ()  # DEVICE, then HOST when the host tier is on
+    num_preemptions: int = 0  # requests preempted (recomputed) since the engine started
 
 
 @dataclass(frozen=True, slots=True)

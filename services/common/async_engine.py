@@ -109,6 +109,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def spec_stats(self) -> dict[str, object] | None:
+        """``EngineCore.spec_stats``: speculation counters, None when speculation is off."""
+        return self.core.spec_stats()
+
     def sendable(self, request_id: str) -> Sendable | None:
         return self.core.sendable(request_id)
 

@@ -160,6 +160,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                                 f"{self.lease_s:g} s, released, or already claimed)")
         request_id = reservation.reservation_id
         finished = handed_over = False
+        timer = self.runtime.metrics.request()
         try:
             vocab_size = self.engine.config.model.vocab_size
             first_token = request.first_token_id
@@ -175,9 +176,13 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             handed_over = True
             queue = self.engine.subscribe(request_id)
             await self.engine.call(lambda core: core.finish_remote_kv(request_id, first_token))
+            timer.on_scheduled()
             while not finished:
                 output = await self.engine.next_output(queue)
                 finished = output.finished
+                timer.on_output(len(output.new_token_ids))
+                if finished:
+                    timer.on_finished(output.finish_reason)
                 response = worker_pb2.DecodeResponse(
                     request_id=request_id, token_ids=output.new_token_ids,
                     logprobs=logprobs_list_to_proto(output.new_logprobs),

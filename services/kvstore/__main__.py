@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
+from services.common.metrics import add_metrics_argument
 from services.common.settings import add_env_argument
 
 DEFAULT_PORT = 50081
@@ -37,13 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--max-lease-ms", type=int, default=60_000, help="longest read lease granted")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight requests may still run")
+    add_metrics_argument(parser)
     return parser
 
 
 async def serve(args: argparse.Namespace) -> None:
     from engine.kv_transfer.base import KVTransferError
     from services.common.grpc_server import start_grpc_server
+    from services.common.metrics import new_registry, start_metrics_server
     from services.common.pb import kvstore_pb2_grpc
+    from services.kvstore.metrics import StoreCollector, on_loop
     from services.kvstore.nixl_host import NixlHost
     from services.kvstore.server import KVSTORE_SERVICE_NAME, KVStoreServicer
     from services.kvstore.store import BlockStore, KVStoreConfig
@@ -62,10 +66,17 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_grpc_server(
         [(kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server, servicer)],
         port=args.port, host=args.host, service_names=[KVSTORE_SERVICE_NAME])
+    registry = new_registry()
+    registry.register(StoreCollector(on_loop(asyncio.get_running_loop(), store.stats)))
+    metrics = start_metrics_server(args.metrics_port, args.host, registry)
+    if metrics is not None:
+        print(f"metrics kvstore http://{metrics.address}/metrics", flush=True)
     print(f"listening on {server.address}", flush=True)
     try:
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:
+        if metrics is not None:
+            metrics.close()
         if nixl is not None:
             nixl.close()
 

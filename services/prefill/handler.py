@@ -150,6 +150,7 @@ class _PrefillJob:
         # cancelled while waiting for it, so cleanup waits for it before dropping the request.
         self.adding: asyncio.Future | None = None
         self.subscribed = self.handed_off = False
+        self.timer = worker.runtime.metrics.request()
 
     async def run(self):
         started = time.monotonic()
@@ -168,9 +169,11 @@ class _PrefillJob:
             await asyncio.shield(self.adding)
         except ValueError as exc:
             raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
+        self.timer.on_scheduled()
         ends_request = False
         while True:
             output = await self._next_output(queue)
+            self.timer.on_output(len(output.new_token_ids))
             if output.finish_reason in ("abort", "error"):
                 raise PrefillAbort(grpc.StatusCode.INTERNAL,
                                    f"Prefill: the engine ended the request ({output.finish_reason}"
@@ -195,6 +198,7 @@ class _PrefillJob:
                     yield self._progress()
             if output.finished:
                 break
+        self.timer.on_finished("prefilled" if not ends_request else output.finish_reason, len(self.prompt))
         if self.transfer is None or ends_request:
             yield self._progress(done=True)
             return

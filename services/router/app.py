@@ -46,6 +46,7 @@ class Router:
     def __init__(self, config: RouterConfig, backend: Backend) -> None:
         self.config = config
         self.state = RouterState(backend)
+        backend.attach_metrics(self.state.metrics)
         self.http: HttpServer | None = None
         self.grpc: GrpcServer | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -65,7 +66,9 @@ class Router:
         self.http = await start_http_server(self.state, config.host, config.http_port,
                                             config.drain_grace_s)
         await backend.start()
-        self.state.frontend = await asyncio.to_thread(self._build_frontend)
+        frontend = await asyncio.to_thread(self._build_frontend)
+        self.state.metrics.set_model(frontend.model.name)
+        self.state.frontend = frontend
         await self.grpc.health.set_serving(await self.state.is_healthy())
         self._health_task = asyncio.create_task(self._mirror_health())
         log.info("router ready http=%s grpc=%s model=%s", self.http.address, self.grpc.address,
@@ -74,12 +77,12 @@ class Router:
     def _build_frontend(self) -> Frontend:
         backend = self.state.backend
         if isinstance(backend, ColocatedBackend):  # the engine already loaded both
-            return Frontend(backend.tokenizer, backend, backend.model_info)
+            return Frontend(backend.tokenizer, backend, backend.model_info, self.state.metrics)
         from engine.models.loader import load_tokenizer
         from services.router.model_info import read_model_info
 
         return Frontend(load_tokenizer(self.config.model), backend,
-                        read_model_info(self.config.model, self.config.max_model_len))
+                        read_model_info(self.config.model, self.config.max_model_len), self.state.metrics)
 
     async def _mirror_health(self) -> None:
         while not self.state.is_draining:

@@ -12,8 +12,12 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.router.metrics import RouterMetrics
 
 
 class BackendError(RuntimeError):
@@ -47,6 +51,10 @@ class Backend(abc.ABC):
 
     async def start(self) -> None:
         """Connect / start engines. Called once before serving."""
+
+    def attach_metrics(self, metrics: RouterMetrics) -> None:
+        """The router's metrics (``metrics.stages``, ``metrics.routing``: services/router/metrics.py),
+        handed over before ``start``; a backend that records routing or TTFT stages keeps them."""
 
     async def close(self) -> None:
         """Stop engines and channels."""

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from engine.core import EngineCore
     from engine.models.tokenizer import Tokenizer
     from services.common.async_engine import AsyncEngine
+    from services.router.metrics import RouterMetrics
+    from services.worker.request_timer import WorkerMetrics
 
 
 # Requests admitted at once (running + queued) before new ones get Overloaded.
@@ -38,13 +40,20 @@ class ColocatedBackend(Backend):
         self.tokenizer: Tokenizer | None = None
         self.model_info: ModelInfo | None = None
         self._num_active = 0
+        self._router_metrics: RouterMetrics | None = None
+        self.worker_metrics: WorkerMetrics | None = None  # set by start
 
     async def start(self) -> None:
         """Load the model and start the engine, both on the engine thread (off the event loop)."""
         from services.common.async_engine import AsyncEngine
 
         self.engine = AsyncEngine()
-        await self.engine.build(self._build_core)
+        core = await self.engine.build(self._build_core)
+        from services.worker.request_timer import WorkerMetrics
+
+        router_metrics = self._router_metrics
+        self.worker_metrics = (WorkerMetrics.disabled() if router_metrics is None else WorkerMetrics.create(
+            self.engine, core.config.model.name, "router", "colocated", router_metrics.registry))
 
     def _build_core(self) -> EngineCore:
         from engine.core import EngineCore
@@ -56,6 +65,10 @@ class ColocatedBackend(Backend):
         self.model_info = ModelInfo(config.model.name, config.model.vocab_size,
                                     config.model.max_model_len)
         return EngineCore(config, loaded)
+
+    def attach_metrics(self, metrics: RouterMetrics) -> None:
+        """The engine's vLLM names join the router's /metrics (role ``colocated``, worker ``router``)."""
+        self._router_metrics = metrics
 
     async def close(self) -> None:
         if self.engine is not None:
@@ -72,8 +85,14 @@ class ColocatedBackend(Backend):
             raise Overloaded(f"{self._num_active} requests in flight (the limit); retry later")
         self._num_active += 1
         outputs = self.engine.generate(request_id, prompt_token_ids, params)
+        timer = self.worker_metrics.request()  # queue time is not split out here: it reads 0
+        num_finished = 0
         try:
             async for output in outputs:
+                timer.on_output(len(output.new_token_ids))
+                num_finished += output.finished
+                if output.finished and num_finished == params.n:
+                    timer.on_finished(output.finish_reason, len(prompt_token_ids))
                 yield TokenEvent(
                     index=output.index, token_ids=output.new_token_ids,
                     logprobs=output.new_logprobs, prompt_logprobs=output.prompt_logprobs,

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.models.tokenizer import Tokenizer
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from services.router.backend import Backend, BackendError, TokenEvent
+from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.metrics import RouterMetrics
 from services.router.model_info import ModelInfo
 
 
@@ -70,10 +71,14 @@ class _Sample:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Tokenizer, backend: Backend, model: ModelInfo) -> None:
+    """``metrics``: the router's (every request is timed in its Generation); a private one by default."""
+
+    def __init__(self, tokenizer: Tokenizer, backend: Backend, model: ModelInfo,
+                 metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.model = model
+        self.metrics = metrics or RouterMetrics.create(model.name)
 
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  add_generation_prompt: bool = True) -> list[int]:
@@ -116,9 +121,15 @@ class Frontend:
             raise InvalidRequest(message, _param_of(message)) from error
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None) -> Generation:
-        """A not-yet-started request; ``async with`` starts it (see the module docstring)."""
-        return Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params)
+                 request_id: str | None = None, is_stream: bool = True,
+                 arrived_at: float | None = None) -> Generation:
+        """A not-yet-started request; ``async with`` starts it (see the module docstring).
+        Metrics only: ``is_stream`` labels it (``request_type``); ``arrived_at`` (monotonic s,
+        when the edge received it) times the ``router_queue`` TTFT stage up to now."""
+        generation = Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params, is_stream)
+        if arrived_at is not None:
+            self.metrics.stages.observe("router_queue", generation.sent_at - arrived_at)
+        return generation
 
 
 class Generation:
@@ -127,10 +138,13 @@ class Generation:
     ``start()`` (or entering the context) sends the request and waits for its first event, so
     that bad input (ValueError), Overloaded and BackendError surface before a caller commits
     to a streamed response. Iteration raises BackendError if the backend fails or ends early.
+    Its metrics: sent at construction, TTFT at the first event, ITL between events, and on
+    ``aclose`` the status: success (every sample finished), error (the backend raised) or
+    cancelled (closed early: client left, deadline).
     """
 
     def __init__(self, frontend: Frontend, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, is_stream: bool = True) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_ids
         self.params = params
@@ -143,6 +157,9 @@ class Generation:
         self._ready: deque[SampleDelta] = deque()
         self._is_closed = False
         self._has_sent_prompt_logprobs = False
+        self._timer = frontend.metrics.request(len(prompt_ids), is_stream)
+        self.sent_at = self._timer.sent_at
+        self._has_failed = False
 
     @property
     def is_finished(self) -> bool:
@@ -152,9 +169,13 @@ class Generation:
     async def start(self) -> None:
         try:
             self._first_event = await anext(self._events)
+            self._timer.on_event()
         except StopAsyncIteration:
+            self._has_failed = True
+            await self.aclose()
             raise BackendError(f"request {self.request_id}: the backend returned no tokens") from None
-        except BaseException:
+        except BaseException as error:
+            self._has_failed = isinstance(error, (ValueError, Overloaded, BackendError))
             await self.aclose()
             raise
 
@@ -162,6 +183,9 @@ class Generation:
         """Close the backend's iterator (aborting the request if it still runs). Idempotent."""
         if not self._is_closed:
             self._is_closed = True
+            done = all(sample.is_done for sample in self._samples)
+            status = "success" if done else "error" if self._has_failed else "cancelled"
+            self._timer.on_finished(status, self.usage.completion_tokens, self.usage.cached_tokens)
             await self._events.aclose()
 
     async def __aenter__(self) -> Generation:
@@ -189,10 +213,16 @@ class Generation:
         if self._is_closed:
             raise BackendError(f"request {self.request_id}: read after the request was closed")
         try:
-            return await anext(self._events)
+            event = await anext(self._events)
         except StopAsyncIteration:
+            self._has_failed = True
             raise BackendError(f"request {self.request_id}: the backend's stream ended before "
                                f"every sample finished") from None
+        except (BackendError, Overloaded, ValueError):
+            self._has_failed = True
+            raise
+        self._timer.on_event()
+        return event
 
     def _apply(self, event: TokenEvent) -> None:
         if not 0 <= event.index < len(self._samples):
@@ -205,6 +235,7 @@ class Generation:
         if sample.is_done:
             return  # a stop string ended this sample; the others are still running
         if event.finish_reason in ("abort", "error"):
+            self._has_failed = True
             raise BackendError(f"request {self.request_id}: sample {event.index} ended with "
                                f"{event.finish_reason!r} inside the cluster")
         delta = _advance(sample, event)
@@ -254,6 +285,7 @@ class RouterState:
     backend: Backend
     frontend: Frontend | None = None
     is_draining: bool = False
+    metrics: RouterMetrics = field(default_factory=RouterMetrics.create)
 
     async def is_healthy(self) -> bool:
         return self.frontend is not None and not self.is_draining and await self.backend.is_healthy()

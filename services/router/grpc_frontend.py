@@ -11,6 +11,7 @@ WorkerService.GetStats (block pool and queue sizes of its engine, and its engine
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        arrived_at = time.monotonic()
         frontend = self.state.frontend
         if frontend is None or self.state.is_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting up or shutting down")
@@ -40,11 +42,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             prompt_ids = _tokenize(frontend, request)
             params = frontend.check(prompt_ids, params_from_proto(request.sampling_params))
-            generation = frontend.generate(prompt_ids, params)
+            generation = frontend.generate(prompt_ids, params, arrived_at=arrived_at)
             await generation.start()
         except ValueError as error:  # InvalidRequest, or the backend's verdict
+            self.state.metrics.reject("invalid", was_counted=not isinstance(error, InvalidRequest))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except Overloaded as error:
+            self.state.metrics.reject("overload", was_counted=True)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except BackendError as error:
             await context.abort(grpc.StatusCode.INTERNAL, str(error))

@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions     (SSE with "stream": true)
     GET  /v1/models             GET  /health                  (200 healthy, 503 otherwise)
+    GET  /metrics               Prometheus text format (services/router/metrics.py)
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 input, 503 when overloaded or not ready, 500 when the backend fails. Once a stream has started
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from services.common.metrics import CONTENT_TYPE, render
 from services.router.backend import BackendError, Overloaded
 from services.router.frontend import Frontend, Generation, InvalidRequest, RouterState
 from services.router.openai_protocol import (
@@ -72,12 +75,35 @@ async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: i
 
 def build_app(state: RouterState) -> web.Application:
     handlers = _Handlers(state)
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_errors, _count_rejections(state)], client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
     return app
+
+
+def _count_rejections(state: RouterState) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Count requests refused with a 4xx/503 before a Generation started (bad input, not ready):
+    ``pdserve_rejected_requests_total`` and an ``error`` in ``dynamo_frontend_requests_total``.
+    A backend's ValueError was already counted by its Generation."""
+    @web.middleware
+    async def count(request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except InvalidRequest:
+            state.metrics.reject("invalid")
+            raise
+        except ValueError:
+            state.metrics.reject("invalid", was_counted=True)
+            raise
+        except Overloaded:
+            state.metrics.reject("overload", was_counted=state.frontend is not None)
+            raise
+
+    return count
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -119,6 +145,10 @@ class _Handlers:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = render(self.state.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
     async def models(self, request: web.Request) -> web.Response:
         model = self._frontend().model
         return web.json_response({"object": "list", "data": [{
@@ -139,6 +169,7 @@ class _Handlers:
 
     async def _generate(self, request: web.Request,
                         parse: Callable[[dict[str, Any]], OpenAIRequest]) -> web.StreamResponse:
+        arrived_at = time.monotonic()
         frontend = self._frontend()
         api = parse(parse_json_body(await request.read()))
         if api.model is not None and api.model != frontend.model.name:
@@ -146,7 +177,8 @@ class _Handlers:
                                  f"{frontend.model.name!r}", "model", "model_not_found")
         prompt_ids = frontend.tokenize(api.prompt, api.messages, api.add_generation_prompt)
         params = frontend.check(prompt_ids, api.params)
-        async with frontend.generate(prompt_ids, params) as generation:
+        async with frontend.generate(prompt_ids, params, is_stream=api.stream,
+                                     arrived_at=arrived_at) as generation:
             render = ResponseRenderer(api, frontend, generation)
             if api.stream:
                 return await _stream(request, api, generation, render)

@@ -27,10 +27,12 @@ from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
 from services.common.grpc_server import AddServicer, start_grpc_server
+from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.pb import worker_pb2_grpc
 from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
 from services.index.schema import IndexMetaMismatch
 from services.worker.index_publisher import WorkerIndexPublisher
+from services.worker.request_timer import WorkerMetrics
 from services.worker.settings import apply_cpu_settings
 from services.worker.stats import TransferCounters, WorkerStatsServicer
 
@@ -46,6 +48,7 @@ class WorkerRuntime:
     worker_id: str
     model_name: str
     engine: AsyncEngine
+    metrics: WorkerMetrics  # request timers for the handler; disabled() with --metrics-port -1
 
 
 class RoleHandler(abc.ABC):
@@ -85,14 +88,23 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
     engine = AsyncEngine()
     core = await engine.build(make_core)
     worker_id = args.worker_id or f"{role.value}-{args.port}"
-    return WorkerRuntime(args, engine_args, role, worker_id, core.config.model.name, engine)
+    model_name = core.config.model.name
+    metrics = (WorkerMetrics.disabled() if args.metrics_port == -1 else
+               WorkerMetrics.create(engine, model_name, worker_id, role.value))
+    return WorkerRuntime(args, engine_args, role, worker_id, model_name, engine, metrics)
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
     args = runtime.args
     index: WorkerIndexPublisher | None = None
+    metrics_server: MetricsServer | None = None
     try:
         servicers = await handler.start()
+        runtime.metrics.attach_transfer_counters(handler.transfer_counters)
+        metrics_server = start_metrics_server(args.metrics_port, args.host, runtime.metrics.registry)
+        if metrics_server is not None:
+            print(f"metrics {runtime.role.value} {runtime.worker_id} http://{metrics_server.address}/metrics",
+                  flush=True)
         engine = runtime.engine
 
         async def read_stats() -> EngineStats:
@@ -113,6 +125,8 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
         print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         if index is not None:
             await index.close()
         await handler.close()

@@ -11,6 +11,7 @@ import os
 from engine.config import Role
 from services.common.engine_flags import add_engine_arguments
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
+from services.common.metrics import add_metrics_argument
 from services.common.settings import add_env_argument
 from services.index.settings import add_publisher_arguments
 
@@ -31,6 +32,7 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
         help="log level (DEBUG: one line per request with its timings)")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight RPCs may still run")
+    add_metrics_argument(parser)
     add_publisher_arguments(parser)
     add_engine_arguments(parser)
     return parser

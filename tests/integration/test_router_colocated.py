@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -440,3 +441,20 @@ def test_pdserve_generate_cli(router, llm):
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected.text + "\n"
     assert "completion 6 tokens" in result.stderr
+
+
+def test_metrics_endpoint_exports_frontend_and_engine_names(router):
+    status, reply = post(router, "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    assert status == 200
+    conn = _connect(router.http)
+    conn.request("GET", "/metrics")
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain")
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert {"dynamo_frontend_requests_total", "dynamo_frontend_time_to_first_token_seconds_count",
+            "vllm:num_requests_running", "vllm:generation_tokens_total"} <= names
+    running = [s for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:num_requests_running"]
+    assert running[0].labels["role"] == "colocated" and running[0].value == 0

@@ -1,0 +1,191 @@
+"""The router's Prometheus metrics: Dynamo's frontend names and pdserve's routing names.
+
+    metrics = RouterMetrics.create(model_name)   # one per Router; served at GET /metrics
+    timer = metrics.request(num_prompt_tokens)   # Generation: when the request is sent
+    timer.on_event(num_new_tokens)               # every backend event (first one: TTFT)
+    timer.on_finished("success" | "error" | "cancelled", num_output_tokens, num_cached_tokens)
+    metrics.reject("invalid")                    # a request refused before it started
+
+For the routing code (services/router/disaggregated.py, the policies): ``metrics.stages``
+(``StageRecorder``) and ``metrics.routing`` (``RoutingRecorder``) take what only that code sees,
+e.g.::
+
+    recorder.stages.observe("index_lookup", seconds)         # TTFT stage, histogram
+    recorder.routing.decision("remote_delta", "prefix_hit")   # pdserve_route_decisions_total
+    recorder.routing.index_lookup(seconds)
+    recorder.routing.set_index_available(False); recorder.routing.fallback("redis_down")
+
+A backend gets them through ``Backend.attach_metrics(metrics)`` (a no-op by default; override
+it to keep ``metrics``), which the Router calls before ``start``. Stage names: ``STAGES``; a
+stage outside them is a ValueError (a typo would
+otherwise become a series no dashboard shows).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, TTFT_BUCKETS_S, new_registry
+
+STAGES = ("router_queue", "index_lookup", "prefill_queue", "prefill_compute", "kv_transfer",
+          "decode_admit")
+STATUSES = ("success", "error", "cancelled")
+REJECT_REASONS = ("auth", "overload", "invalid")
+
+
+@dataclass(frozen=True)
+class StageRecorder:
+    """``pdserve_ttft_stage_seconds{stage}``: one observation per request and stage it passed."""
+
+    histogram: Histogram
+
+    def observe(self, stage: str, seconds: float) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"TTFT stage {stage!r} is not one of {STAGES}")
+        self.histogram.labels(stage).observe(max(seconds, 0.0))
+
+
+@dataclass(frozen=True)
+class RoutingRecorder:
+    """Routing decisions and the prefix index's health, as the routing code sees them."""
+
+    decisions: Counter
+    index_available: Gauge
+    index_lookup_seconds: Histogram
+    index_fallbacks: Counter
+
+    def decision(self, path: str, reason: str) -> None:
+        """``path``: ``local`` | ``remote`` | ``remote_delta``."""
+        self.decisions.labels(path, reason).inc()
+
+    def set_index_available(self, is_available: bool) -> None:
+        self.index_available.set(1.0 if is_available else 0.0)
+
+    def index_lookup(self, seconds: float) -> None:
+        self.index_lookup_seconds.observe(seconds)
+
+    def fallback(self, reason: str) -> None:
+        self.index_fallbacks.labels(reason).inc()
+
+
+@dataclass
+class RouterMetrics:
+    """Created with the Router (before the model is known); ``set_model`` names it once the
+    frontend is built, and creates the zero series."""
+
+    registry: CollectorRegistry
+    model_name: str
+    requests: Counter
+    inflight: Gauge
+    queued: Gauge
+    ttft: Histogram
+    itl: Histogram
+    duration: Histogram
+    input_tokens: Histogram
+    output_tokens: Histogram
+    cached_tokens: Histogram
+    rejected: Counter
+    stages: StageRecorder
+    routing: RoutingRecorder
+
+    @classmethod
+    def create(cls, model_name: str = "") -> RouterMetrics:
+        r = new_registry()
+        model = ("model",)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = model) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
+
+        metrics = cls(
+            r, model_name,
+            Counter("dynamo_frontend_requests", "Requests by type and final status.",
+                    ("model", "request_type", "status"), registry=r),
+            Gauge("dynamo_frontend_inflight_requests", "Requests being served now.", model, registry=r),
+            Gauge("dynamo_frontend_queued_requests", "Requests sent, first token not yet back.", model,
+                  registry=r),
+            hist("dynamo_frontend_time_to_first_token_seconds", "Sent to first token (s).", TTFT_BUCKETS_S),
+            hist("dynamo_frontend_inter_token_latency_seconds", "Gap between backend events (s).",
+                 LATENCY_BUCKETS_S),
+            hist("dynamo_frontend_request_duration_seconds", "Sent to last token (s).", TTFT_BUCKETS_S),
+            hist("dynamo_frontend_input_sequence_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+            hist("dynamo_frontend_output_sequence_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+            hist("dynamo_frontend_cached_tokens", "Prompt tokens served from a prefix cache.", TOKEN_BUCKETS),
+            Counter("pdserve_rejected_requests", "Requests refused before they started.", ("reason",),
+                    registry=r),
+            StageRecorder(Histogram("pdserve_ttft_stage_seconds", "Time a request spent in each TTFT "
+                                    "stage (s).", ("stage",), registry=r, buckets=LATENCY_BUCKETS_S)),
+            RoutingRecorder(
+                Counter("pdserve_route_decisions", "Routing decisions by path and reason.", ("path", "reason"),
+                        registry=r),
+                Gauge("pdserve_index_available", "1 while the prefix index answers, else 0.", registry=r),
+                Histogram("pdserve_index_lookup_seconds", "Prefix-index lookup time (s).", registry=r,
+                          buckets=LATENCY_BUCKETS_S),
+                Counter("pdserve_index_fallback", "Routing without the index, by reason.", ("reason",),
+                        registry=r)),
+        )
+        for reason in REJECT_REASONS:
+            metrics.rejected.labels(reason)
+        metrics.set_model(model_name)
+        return metrics
+
+    def set_model(self, model_name: str) -> None:
+        self.model_name = model_name
+        for status in STATUSES:  # zero series exist before the first request: rate() works at once
+            for request_type in ("stream", "unary"):
+                self.requests.labels(model_name, request_type, status)
+        self.inflight.labels(model_name)
+        self.queued.labels(model_name)
+
+    def request(self, num_prompt_tokens: int, is_stream: bool = True) -> RequestTimer:
+        return RequestTimer(self, num_prompt_tokens, "stream" if is_stream else "unary")
+
+    def reject(self, reason: str, is_stream: bool = True, was_counted: bool = False) -> None:
+        """A request refused at the edge: ``pdserve_rejected_requests_total{reason}``, and an
+        ``error`` request unless its Generation already counted it (``was_counted``)."""
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"reject reason {reason!r} is not one of {REJECT_REASONS}")
+        self.rejected.labels(reason).inc()
+        if not was_counted:
+            self.requests.labels(self.model_name, "stream" if is_stream else "unary", "error").inc()
+
+
+class RequestTimer:
+    """One request as the router sees it (event-loop thread only); ``on_finished`` is idempotent."""
+
+    __slots__ = ("m", "num_prompt_tokens", "request_type", "sent_at", "last_event_at", "is_done")
+
+    def __init__(self, metrics: RouterMetrics, num_prompt_tokens: int, request_type: str) -> None:
+        self.m = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.request_type = request_type
+        self.sent_at = time.monotonic()
+        self.last_event_at: float | None = None
+        self.is_done = False
+        metrics.inflight.labels(metrics.model_name).inc()
+        metrics.queued.labels(metrics.model_name).inc()
+
+    def on_event(self) -> None:
+        now, m = time.monotonic(), self.m
+        if self.last_event_at is None:
+            m.ttft.labels(m.model_name).observe(now - self.sent_at)
+            m.queued.labels(m.model_name).dec()
+        else:
+            m.itl.labels(m.model_name).observe(now - self.last_event_at)
+        self.last_event_at = now
+
+    def on_finished(self, status: str, num_output_tokens: int, num_cached_tokens: int) -> None:
+        if self.is_done:
+            return
+        self.is_done = True
+        m, model = self.m, self.m.model_name
+        if self.last_event_at is None:
+            m.queued.labels(model).dec()
+        m.inflight.labels(model).dec()
+        m.requests.labels(model, self.request_type, status).inc()
+        m.duration.labels(model).observe(time.monotonic() - self.sent_at)
+        m.input_tokens.labels(model).observe(self.num_prompt_tokens)
+        m.output_tokens.labels(model).observe(num_output_tokens)
+        m.cached_tokens.labels(model).observe(num_cached_tokens)

@@ -1,0 +1,89 @@
+"""services/common/metrics.py and the router's recorders: the flag, the server, exact counts."""
+
+from __future__ import annotations
+
+import argparse
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.metrics import LATENCY_BUCKETS_S, add_metrics_argument, render, start_metrics_server
+from services.router.metrics import STAGES, RouterMetrics
+
+
+def samples(registry) -> dict[tuple[str, tuple], float]:
+    text = render(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_buckets_resolve_one_millisecond_to_sixty_seconds():
+    assert LATENCY_BUCKETS_S[0] == 0.001 and LATENCY_BUCKETS_S[-1] == 60.0
+    assert list(LATENCY_BUCKETS_S) == sorted(set(LATENCY_BUCKETS_S))
+
+
+def test_metrics_port_flag_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("PDSERVE_METRICS_PORT", raising=False)
+    parser = argparse.ArgumentParser()
+    add_metrics_argument(parser)
+    assert parser.parse_args([]).metrics_port == 0
+    monkeypatch.setenv("PDSERVE_METRICS_PORT", "-1")
+    parser = argparse.ArgumentParser()
+    add_metrics_argument(parser)
+    assert parser.parse_args([]).metrics_port == -1
+    assert parser.parse_args(["--metrics-port", "9100"]).metrics_port == 9100
+
+
+def test_metrics_server_serves_the_registry_and_minus_one_is_off():
+    metrics = RouterMetrics.create("m")
+    assert start_metrics_server(-1, "127.0.0.1", metrics.registry) is None
+    with pytest.raises(ValueError, match="--metrics-port"):
+        start_metrics_server(-2, "127.0.0.1", metrics.registry)
+    server = start_metrics_server(0, "127.0.0.1", metrics.registry)
+    try:
+        with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=5) as reply:
+            assert b"dynamo_frontend_inflight_requests" in reply.read()
+    finally:
+        server.close()
+
+
+def test_router_request_timer_counts_each_request_once():
+    m = RouterMetrics.create("m")
+    ok = m.request(10)
+    ok.on_event()
+    ok.on_event()
+    ok.on_finished("success", 2, 8)
+    ok.on_finished("success", 2, 8)  # idempotent
+    cancelled = m.request(5, is_stream=False)
+    cancelled.on_finished("cancelled", 0, 0)  # before its first token: leaves the queue too
+    m.reject("invalid")
+    m.reject("overload", was_counted=True)
+    s = samples(m.registry)
+    model = ("model", "m")
+    assert s[("dynamo_frontend_requests_total", (model, ("request_type", "stream"), ("status", "success")))] == 1
+    assert s[("dynamo_frontend_requests_total", (model, ("request_type", "unary"), ("status", "cancelled")))] == 1
+    assert s[("dynamo_frontend_requests_total", (model, ("request_type", "stream"), ("status", "error")))] == 1
+    assert s[("pdserve_rejected_requests_total", (("reason", "invalid"),))] == 1
+    assert s[("pdserve_rejected_requests_total", (("reason", "overload"),))] == 1
+    assert s[("dynamo_frontend_time_to_first_token_seconds_count", (model,))] == 1
+    assert s[("dynamo_frontend_inter_token_latency_seconds_count", (model,))] == 1
+    assert s[("dynamo_frontend_cached_tokens_sum", (model,))] == 8
+    assert s[("dynamo_frontend_inflight_requests", (model,))] == 0
+    assert s[("dynamo_frontend_queued_requests", (model,))] == 0
+
+
+def test_stage_recorder_refuses_unknown_stages():
+    m = RouterMetrics.create("m")
+    for stage in STAGES:
+        m.stages.observe(stage, 0.002)
+    with pytest.raises(ValueError, match="prefil_compute"):
+        m.stages.observe("prefil_compute", 0.1)
+    with pytest.raises(ValueError, match="reject reason"):
+        m.reject("teapot")
+    m.routing.decision("remote_delta", "prefix_hit")
+    m.routing.set_index_available(True)
+    s = samples(m.registry)
+    assert s[("pdserve_ttft_stage_seconds_count", (("stage", "decode_admit"),))] == 1
+    assert s[("pdserve_route_decisions_total", (("path", "remote_delta"), ("reason", "prefix_hit")))] == 1
+    assert s[("pdserve_index_available", ())] == 1
