@@ -9,6 +9,8 @@
                         cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
     ops.pack_linear(w_t)                              -> weight handle, once at load
     ops.linear(x, weight)                             -> x @ w_t
+    ops.pack_quant(rows)                              -> handle of GGUF blocks (kernels.quant), once at load
+    ops.quant_linear(x, handle)                       -> x @ the blocks' values, transposed
 
 'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' is
 the production fp32 CPU path: for each op and size class, whichever of the compiled kernel
@@ -40,6 +42,15 @@ class Ops:
     paged_attention: Callable
     pack_linear: Callable
     linear: Callable
+    pack_quant: Callable | None = None  # None: get_ops fills in the dequantize-then-matmul reference
+    quant_linear: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if self.pack_quant is None or self.quant_linear is None:
+            from kernels.quant import pack_quant_ref, quant_linear_ref
+
+            object.__setattr__(self, "pack_quant", pack_quant_ref)
+            object.__setattr__(self, "quant_linear", quant_linear_ref)
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -99,7 +110,9 @@ def compiled_ops() -> Ops:
     from kernels.cpu import elementwise
     from kernels.cpu.attention import paged_attention
     from kernels.cpu.linear import linear, pack_weight
+    from kernels.quant_cpu import pack, quant_linear
 
     return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
                silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
-               paged_attention=paged_attention, pack_linear=pack_weight, linear=linear)
+               paged_attention=paged_attention, pack_linear=pack_weight, linear=linear,
+               pack_quant=pack, quant_linear=quant_linear)

@@ -101,9 +101,21 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantRows:
     return QuantRows(fmt, np.ascontiguousarray(data, dtype=np.uint8), int(w.shape[1]))
 
 
+def random_rows(out_features: int, in_features: int, fmt: str, seed: int = 0) -> QuantRows:
+    """Random blocks of weight scale ~in^-0.5 without running a quantizer (fast, for timing)."""
+    rng = np.random.default_rng(seed)
+    nb, size = in_features // BLOCK, BLOCK_BYTES[fmt]
+    blocks = rng.integers(0, 256, (out_features, nb, size), dtype=np.uint8)
+    step = (2.0 if fmt == "q8_0" else 32.0) / 127 / in_features ** 0.5
+    blocks[:, :, :2] = np.full((out_features, nb, 1), step, dtype=np.float16).view(np.uint8)
+    if fmt == "q4_1":
+        blocks[:, :, 2:4] = np.full((out_features, nb, 1), -7.5 * step, dtype=np.float16).view(np.uint8)
+    return QuantRows(fmt, blocks.reshape(out_features, -1), in_features)
+
+
 def dequantize(rows: QuantRows) -> torch.Tensor:
     """fp32 [out, in]: exactly the values of the stored blocks (d * q [+ m] in fp32)."""
-    blocks = torch.from_numpy(np.ascontiguousarray(rows.blocks()))
+    blocks = torch.from_numpy(np.array(rows.blocks()))  # a copy: the file map is read-only
     d = blocks[:, :, :2].contiguous().view(torch.float16).float()
     if rows.format == "q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).float()
