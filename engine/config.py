@@ -173,3 +173,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weight_format must be {'|'.join(WEIGHT_FORMATS)}, got {self.weight_format!r}")
+        if self.weight_format in ("q8_0", "q4") and self.dtype != "float32":
+            raise ConfigError(f"weight_format {self.weight_format} needs dtype float32, got {self.dtype}")

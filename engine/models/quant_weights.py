@@ -13,7 +13,8 @@ the embedding is tied). Formats:
            Q4_1; the head keeps stored blocks of either format (a Q4_1 file's Q8_0 head, as
            llama.cpp reads it), else Q8_0
     auto   the file's own blocks where it has them (others quantized to Q8_0); fp32 when the
-           model has no blocks at all (an HF directory, an F32/F16 file)
+           model has no blocks at all (an HF directory, an F32/F16 file) or the activations
+           are not float32 (the kernels compute in fp32)
 
 Quantizing from fp32 rounds as llama.cpp's reference quantizer does (``kernels.quant.quantize``);
 a weight taken as stored keeps the file's exact values, so q4 on a Q4_1 file computes with the
@@ -43,12 +44,15 @@ def linear_weight_names(config: ModelConfig) -> list[str]:
 
 
 def plan_quantized(config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                   stored: Mapping[str, QuantRows], weight_format: str) -> dict[str, QuantRows] | None:
+                   stored: Mapping[str, QuantRows], weight_format: str,
+                   dtype: str = "float32") -> dict[str, QuantRows] | None:
     """name -> blocks for every layer matmul and ``HEAD``, or None to serve fp32 weights.
-    ValueError for an unknown format."""
+    ValueError for an unknown format, or q8_0/q4 with a ``dtype`` other than float32."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {'|'.join(WEIGHT_FORMATS)}, got {weight_format!r}")
-    if weight_format == "fp32" or (weight_format == "auto" and not stored):
+    if weight_format in ("q8_0", "q4") and dtype != "float32":
+        raise ValueError(f"weight_format {weight_format} needs dtype float32, got {dtype}")
+    if weight_format == "fp32" or (weight_format == "auto" and (not stored or dtype != "float32")):
         return None
     head_source = HEAD if HEAD in weights else "model.embed_tokens.weight"
     plan: dict[str, QuantRows] = {}

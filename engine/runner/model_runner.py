@@ -50,7 +50,8 @@ class ModelRunner:
         self.backend = select_backend(self.device, dtype)
         if self.device.type == "cpu" and dtype == torch.float32:
             configure_cpu_threads(config.num_threads, self.backend)
-        plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format)
+        plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
+                              config.dtype)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights,
                                       get_ops(self.backend, model_dims(loaded.config)), self.device, dtype,
                                       quant_plan=plan)
