@@ -97,11 +97,15 @@ def get_ops(backend: str, dims=None) -> Ops:
         from kernels.paged_attention import paged_attention
         from kernels.rms_norm import rms_norm
         from kernels.rotary import rotary
+        from kernels.quant_triton import pack as pack_quant
+        from kernels.quant_triton import quant_linear
         from kernels.store_kv import store_kv
 
+        quant_device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
         return Ops(rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
                    store_kv=store_kv, paged_attention=paged_attention,
-                   pack_linear=pack_linear_ref, linear=linear_ref)
+                   pack_linear=pack_linear_ref, linear=linear_ref,
+                   pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
 
 
