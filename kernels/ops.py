@@ -95,10 +95,10 @@ def get_ops(backend: str, dims=None) -> Ops:
     if backend == "triton":
         from kernels.activation import silu_and_mul
         from kernels.paged_attention import paged_attention
-        from kernels.rms_norm import rms_norm
-        from kernels.rotary import rotary
         from kernels.quant_triton import pack as pack_quant
         from kernels.quant_triton import quant_linear
+        from kernels.rms_norm import rms_norm
+        from kernels.rotary import rotary
         from kernels.store_kv import store_kv
 
         quant_device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter

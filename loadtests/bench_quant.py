@@ -30,38 +30,38 @@ from engine.runner.inputs import ScheduledSeq, build_model_input
 from loadtests.bench_engine import memcpy_bandwidth, torch_threads
 
 EVAL_TEXTS = (
-    "The river rises in the hills above the town and runs south through a narrow valley of "
-    "oak and beech. In spring the water is high and brown with mud from the fields; by late "
-    "summer it is clear enough to see the stones on the bottom, and children wade across at the "
-    "ford below the old mill. The mill itself stopped grinding grain in 1921. Its wheel was sold "
-    "for scrap during the war, and the building became first a store for farm machinery and then, "
-    "much later, a small museum of local history that opens on Saturday afternoons.",
-    "def merge_sorted(left, right):\n"
-    "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
-    "    result = []\n"
-    "    i = j = 0\n"
-    "    while i < len(left) and j < len(right):\n"
-    "        if left[i] <= right[j]:\n"
-    "            result.append(left[i])\n"
-    "            i += 1\n"
-    "        else:\n"
-    "            result.append(right[j])\n"
-    "            j += 1\n"
-    "    result.extend(left[i:])\n"
-    "    result.extend(right[j:])\n"
-    "    return result\n",
-    "Photosynthesis is the process by which green plants use light energy to turn carbon dioxide "
-    "and water into glucose and oxygen. It takes place mainly in the leaves, inside small bodies "
-    "called chloroplasts, which contain the green pigment chlorophyll. The oxygen released is the "
-    "source of almost all the oxygen in the air we breathe.",
-    "Shopping list for the weekend: two loaves of bread, a dozen eggs, milk, butter, three "
-    "onions, a bag of carrots, rice, olive oil, coffee, and something for dessert.",
-    "\"Are you coming to the station?\" she asked.\n\"Only if the rain stops,\" he said. "
-    "\"The last train leaves at ten, and I do not want to stand on the platform for an hour.\"\n"
-    "\"Then bring an umbrella. It will not stop tonight.\"",
-    "The first law of thermodynamics states that energy cannot be created or destroyed, only "
-    "changed from one form into another. The second law says that the entropy of an isolated "
-    "system never decreases over time.",
+    ("The river rises in the hills above the town and runs south through a narrow valley of "
+     "oak and beech. In spring the water is high and brown with mud from the fields; by late "
+     "summer it is clear enough to see the stones on the bottom, and children wade across at the "
+     "ford below the old mill. The mill itself stopped grinding grain in 1921. Its wheel was sold "
+     "for scrap during the war, and the building became first a store for farm machinery and then, "
+     "much later, a small museum of local history that opens on Saturday afternoons."),
+    ("def merge_sorted(left, right):\n"
+     "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+     "    result = []\n"
+     "    i = j = 0\n"
+     "    while i < len(left) and j < len(right):\n"
+     "        if left[i] <= right[j]:\n"
+     "            result.append(left[i])\n"
+     "            i += 1\n"
+     "        else:\n"
+     "            result.append(right[j])\n"
+     "            j += 1\n"
+     "    result.extend(left[i:])\n"
+     "    result.extend(right[j:])\n"
+     "    return result\n"),
+    ("Photosynthesis is the process by which green plants use light energy to turn carbon dioxide "
+     "and water into glucose and oxygen. It takes place mainly in the leaves, inside small bodies "
+     "called chloroplasts, which contain the green pigment chlorophyll. The oxygen released is the "
+     "source of almost all the oxygen in the air we breathe."),
+    ("Shopping list for the weekend: two loaves of bread, a dozen eggs, milk, butter, three "
+     "onions, a bag of carrots, rice, olive oil, coffee, and something for dessert."),
+    ("\"Are you coming to the station?\" she asked.\n\"Only if the rain stops,\" he said. "
+     "\"The last train leaves at ten, and I do not want to stand on the platform for an hour.\"\n"
+     "\"Then bring an umbrella. It will not stop tonight.\""),
+    ("The first law of thermodynamics states that energy cannot be created or destroyed, only "
+     "changed from one form into another. The second law says that the entropy of an isolated "
+     "system never decreases over time."),
 )
 GREEDY_PROMPTS = (
     "What is the capital of France?", "Write a haiku about the sea.",

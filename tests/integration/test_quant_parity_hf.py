@@ -37,7 +37,7 @@ def _agrees(hf_model, ids: list[int], ours: list[int], theirs: list[int]) -> tup
     return gap <= NEAR_TIE, f"first differs at token {at}, HF logit gap {gap:.2e}"
 
 
-def test_q4_greedy_equals_hf_on_the_same_dequantized_weights(llm_q4, hf_model, prompts, hf_greedy):
+def test_q4_greedy_equals_hf_on_the_same_dequantized_weights(llm_q4, hf_model, prompts, hf_greedy):  # noqa: F811
     assert llm_q4.engine.runner.model.quantized
     outputs = llm_q4.generate(prompts, GREEDY)
     verdicts = [_agrees(hf_model, ids, out.token_ids, theirs)
@@ -46,7 +46,7 @@ def test_q4_greedy_equals_hf_on_the_same_dequantized_weights(llm_q4, hf_model, p
     llm_q4.engine.check_integrity()
 
 
-def test_q4_prefill_logits_match_hf(llm_q4, hf_model, prompts):
+def test_q4_prefill_logits_match_hf(llm_q4, hf_model, prompts):  # noqa: F811
     from engine.runner.inputs import ScheduledSeq, build_model_input
 
     runner = llm_q4.engine.runner

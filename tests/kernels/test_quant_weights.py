@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.models.quant_weights import HEAD, linear_weight_names, plan_bytes, plan_quantized
+from engine.models.quant_weights import (
+    HEAD,
+    linear_weight_names,
+    plan_bytes,
+    plan_quantized,
+)
 from kernels.quant import dequantize
 
 
@@ -18,7 +23,7 @@ def model(loaded_model):
 
 
 def test_the_loader_blocks_are_the_fp32_weights(model):
-    config, weights, blocks = model
+    _, weights, blocks = model
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.3.mlp.down_proj.weight", "model.embed_tokens.weight"):
         assert torch.equal(dequantize(blocks[name]), weights[name]), name
