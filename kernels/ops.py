@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant import pack_quant_ref, quant_linear_ref
+
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
 
@@ -42,15 +44,8 @@ class Ops:
     paged_attention: Callable
     pack_linear: Callable
     linear: Callable
-    pack_quant: Callable | None = None  # None: get_ops fills in the dequantize-then-matmul reference
-    quant_linear: Callable | None = None
-
-    def __post_init__(self) -> None:
-        if self.pack_quant is None or self.quant_linear is None:
-            from kernels.quant import pack_quant_ref, quant_linear_ref
-
-            object.__setattr__(self, "pack_quant", pack_quant_ref)
-            object.__setattr__(self, "quant_linear", quant_linear_ref)
+    pack_quant: Callable = pack_quant_ref  # default: the dequantize-then-matmul reference
+    quant_linear: Callable = quant_linear_ref
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
