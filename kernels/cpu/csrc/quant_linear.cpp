@@ -95,6 +95,28 @@ inline vfloat vload_half(const unsigned char* p) {
 #endif
 }
 
+// The low and the high nibbles of kLanes bytes, each widened to int lanes: split on the 16
+// (or 8) bytes first, where the masks and shifts are cheap 128-bit ops that any vector port
+// runs, so the wide ports only widen, convert and multiply.
+inline void vload_nibbles(const unsigned char* p, vint& lo, vint& hi) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const __m128i mask = _mm_set1_epi8(15);
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = (vint)_mm512_cvtepu8_epi32(_mm_and_si128(b, mask));
+  hi = (vint)_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+#else
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  lo = (vint)_mm256_cvtepu8_epi32(_mm_and_si128(b, mask));
+  hi = (vint)_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+#endif
+#else
+  const vint v = vload_bytes<false>(p);
+  lo = v & 15;
+  hi = v >> 4;
+#endif
+}
+
 // acc[r][j] = sum over blocks of column panel p0 + j against x row r; written to out.
 // Two partial sums per block (inputs i and i + 16, or even and odd) keep 2 * R * NP independent
 // FMA chains.
@@ -116,9 +138,10 @@ void tile(const float* x, int64_t x_stride, const float* xsum, int64_t nb,
       for (int i = 0; i < 16; ++i) {
         vfloat wl[NP], wh[NP];
         for (int j = 0; j < NP; ++j) {
-          const vint v = vload_bytes<false>(blk[j] + 4 * kLanes + i * kLanes);
-          wl[j] = __builtin_convertvector(v & 15, vfloat);
-          wh[j] = __builtin_convertvector(v >> 4, vfloat);
+          vint lo_q, hi_q;
+          vload_nibbles(blk[j] + 4 * kLanes + i * kLanes, lo_q, hi_q);
+          wl[j] = __builtin_convertvector(lo_q, vfloat);
+          wh[j] = __builtin_convertvector(hi_q, vfloat);
         }
         for (int r = 0; r < R; ++r) {
           const vfloat xl = vsplat(xb[r * x_stride + i]), xh = vsplat(xb[r * x_stride + i + 16]);
