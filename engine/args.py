@@ -22,6 +22,7 @@ from typing import Any
 from engine.config import (
     DTYPES,
     SPEC_METHODS,
+    WEIGHT_FORMATS,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -60,6 +61,8 @@ class EngineArgs:
     device: str = _setting(EngineConfig.device, "torch device")
     dtype: str = _setting(EngineConfig.dtype, "weights, activations and KV cache dtype",
                           choices=DTYPES)
+    weight_format: str = _setting(EngineConfig.weight_format, "matmul weights: fp32, the GGUF's "
+                                  "own blocks (auto), or all Q8_0 / 4-bit", choices=WEIGHT_FORMATS)
     num_threads: int = _setting(EngineConfig.num_threads,
                                 "CPU compute threads (0: every CPU this process may run on)")
     spec_method: str | None = _setting(SpecConfig.method, "speculative decoding proposer "
@@ -99,4 +102,5 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens, role=role),
             spec=SpecConfig() if role == Role.PREFILL else spec,
-            device=self.device, dtype=self.dtype, num_threads=self.num_threads)
+            device=self.device, dtype=self.dtype, num_threads=self.num_threads,
+            weight_format=self.weight_format)

@@ -119,6 +119,7 @@ class SchedulerConfig:
                 f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+WEIGHT_FORMATS = ("auto", "fp32", "q8_0", "q4")  # engine/models/quant_weights.py says what each means
 SPEC_METHODS = ("ngram", "layer-skip", "draft")
 
 
@@ -172,3 +173,11 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype of the weights and activations
     seed: int = 0
     num_threads: int = 0  # CPU compute threads (0: every CPU this process may run on)
+    # matmul weights: fp32, or GGUF blocks read by the quantized kernels (engine/models/quant_weights.py)
+    weight_format: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"weight_format must be {'|'.join(WEIGHT_FORMATS)}, got {self.weight_format!r}")
+        if self.weight_format in ("q8_0", "q4") and self.dtype != "float32":
+            raise ConfigError(f"weight_format {self.weight_format} needs dtype float32, got {self.dtype}")

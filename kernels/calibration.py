@@ -45,6 +45,9 @@ IMPLS = ("cpu", "torch")
 # op -> (upper bound, representative size) per class; the last bound is open-ended
 SIZE_CLASSES: dict[str, tuple[tuple[float, int], ...]] = {
     "linear": ((1, 1), (4, 4), (8, 8), (16, 16), (64, 64), (256, 256), (float("inf"), 1024)),
+    # GGUF blocks (timed with Q4_1, the default model's format): the compiled kernel vs torch.mm
+    # on the dequantized weight
+    "quant_linear": ((1, 1), (4, 4), (8, 8), (16, 16), (64, 64), (256, 256), (float("inf"), 1024)),
     "paged_attention": ((1, 1), (8, 5), (128, 128), (512, 512), (float("inf"), 1024)),
     "rms_norm": ((16, 8), (256, 128), (float("inf"), 1024)),
     "rotary": ((16, 8), (256, 128), (float("inf"), 1024)),
@@ -160,12 +163,16 @@ def measured_ops(table: Calibration):
         return _by_size([(bound, getattr(impl_of[impl], op)) for bound, impl in table.impls(op)], size_of)
 
     linear_impls = {impl for _, impl in table.impls("linear")}
+    quant_impls = {impl for _, impl in table.impls("quant_linear")}
     rows = lambda args: args[0].shape[0]  # noqa: E731
     return Ops(rms_norm=pick("rms_norm", rows), rotary=pick("rotary", rows),
                silu_and_mul=pick("silu_and_mul", rows), store_kv=pick("store_kv", rows),
                paged_attention=pick("paged_attention", lambda args: args[6]),
                pack_linear=lambda w_t: DualWeight.pack(w_t, linear_impls),
-               linear=_by_size([(bound, DualWeight.CALLS[impl]) for bound, impl in table.impls("linear")], rows))
+               linear=_by_size([(bound, DualWeight.CALLS[impl]) for bound, impl in table.impls("linear")], rows),
+               pack_quant=lambda blocks: DualWeight.pack_quant(blocks, quant_impls),
+               quant_linear=_by_size([(bound, DualWeight.QUANT_CALLS[impl])
+                                      for bound, impl in table.impls("quant_linear")], rows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +190,31 @@ class DualWeight:
         return cls(pack_weight(w_t) if "cpu" in impls else None,
                    w_t.contiguous() if "torch" in impls else None)
 
+    @classmethod
+    def pack_quant(cls, blocks, impls: set[str]) -> DualWeight:
+        """GGUF blocks (``kernels.quant.QuantRows``): the compiled kernel's panels and/or the
+        dequantized [in, out] weight for ``torch.mm`` (the size classes torch serves)."""
+        from kernels.quant import pack_quant_ref
+        from kernels.quant_cpu import pack
+
+        return cls(pack(blocks) if "cpu" in impls else None,
+                   pack_quant_ref(blocks) if "torch" in impls else None)
+
     @staticmethod
     def _compiled(x: torch.Tensor, w: DualWeight) -> torch.Tensor:
         from kernels.cpu.linear import linear
 
         return linear(x, w.packed)
 
+    @staticmethod
+    def _compiled_quant(x: torch.Tensor, w: DualWeight) -> torch.Tensor:
+        from kernels.quant_cpu import quant_linear
+
+        return quant_linear(x, w.packed)
+
     CALLS = {"cpu": lambda x, w: DualWeight._compiled(x, w), "torch": lambda x, w: torch.mm(x, w.plain)}
+    QUANT_CALLS = {"cpu": lambda x, w: DualWeight._compiled_quant(x, w),
+                   "torch": lambda x, w: torch.mm(x, w.plain)}
 
 
 def _by_size(classes: list[tuple[float, Callable]], size_of: Callable) -> Callable:
@@ -279,6 +304,8 @@ def _measure_all(dims: ModelDims) -> list[Choice]:
 
 def _workload(op: str, size: int, dims: ModelDims, ops, impl: str) -> Callable[[], object]:
     """A call of ``op`` at ``size`` on inputs of the model's shapes."""
+    if op == "quant_linear":
+        return _quant_workload(size, dims, ops, impl)
     if op == "linear":
         layer_bytes = 4 * sum(k * n for k, n in dims.linear_shapes)
         copies = (max(1, min(dims.num_layers, LINEAR_WORKING_SET // layer_bytes))
@@ -315,6 +342,22 @@ def _workload(op: str, size: int, dims: ModelDims, ops, impl: str) -> Callable[[
         slots = torch.randperm(key_cache.shape[0] * BLOCK_SIZE)[:size]
         return lambda: ops.store_kv(key, value, key_cache, value_cache, slots)
     raise ValueError(f"no workload for op {op!r}")
+
+
+def _quant_workload(size: int, dims: ModelDims, ops, impl: str) -> Callable[[], object]:
+    """Q4_1 matmuls over as many layers as the fp32 ones (the same weight-bound rule)."""
+    from kernels.quant import pack_quant_ref, random_rows
+
+    layer_bytes = 4 * sum(k * n for k, n in dims.linear_shapes)
+    copies = (max(1, min(dims.num_layers, LINEAR_WORKING_SET // layer_bytes))
+              if size <= WEIGHT_BOUND_ROWS else 1)
+    blocks = [random_rows(n, k, "q4_1", seed=i) for i in range(copies) for k, n in dims.linear_shapes]
+    xs = [torch.randn(size, b.in_features) for b in blocks]
+    if impl == "cpu":
+        packed = [ops.pack_quant(b) for b in blocks]
+        return lambda: [ops.quant_linear(x, w) for x, w in zip(xs, packed)]
+    plain = [pack_quant_ref(b) for b in blocks]
+    return lambda: [torch.mm(x, w) for x, w in zip(xs, plain)]
 
 
 def _kv_cache(num_blocks: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@
                         cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
     ops.pack_linear(w_t)                              -> weight handle, once at load
     ops.linear(x, weight)                             -> x @ w_t
+    ops.pack_quant(rows)                              -> handle of GGUF blocks (kernels.quant), once at load
+    ops.quant_linear(x, handle)                       -> x @ the blocks' values, transposed
 
 'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' is
 the production fp32 CPU path: for each op and size class, whichever of the compiled kernel
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 
+from kernels.quant import pack_quant_ref, quant_linear_ref
+
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
 
@@ -41,6 +45,8 @@ class Ops:
     paged_attention: Callable[..., torch.Tensor]
     pack_linear: Callable[[torch.Tensor], Any]  # a weight only ``linear`` reads (backend's own)
     linear: Callable[[torch.Tensor, Any], torch.Tensor]
+    pack_quant: Callable[..., Any] = pack_quant_ref  # default: the dequantize-then-matmul reference
+    quant_linear: Callable[..., torch.Tensor] = quant_linear_ref
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -85,13 +91,17 @@ def get_ops(backend: str, dims=None) -> Ops:
     if backend == "triton":
         from kernels.activation import silu_and_mul
         from kernels.paged_attention import paged_attention
+        from kernels.quant_triton import pack as pack_quant
+        from kernels.quant_triton import quant_linear
         from kernels.rms_norm import rms_norm
         from kernels.rotary import rotary
         from kernels.store_kv import store_kv
 
+        quant_device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
         return Ops(rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
                    store_kv=store_kv, paged_attention=paged_attention,
-                   pack_linear=pack_linear_ref, linear=linear_ref)
+                   pack_linear=pack_linear_ref, linear=linear_ref,
+                   pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
 
 
@@ -100,7 +110,9 @@ def compiled_ops() -> Ops:
     from kernels.cpu import elementwise
     from kernels.cpu.attention import paged_attention
     from kernels.cpu.linear import linear, pack_weight
+    from kernels.quant_cpu import pack, quant_linear
 
     return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
                silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
-               paged_attention=paged_attention, pack_linear=pack_weight, linear=linear)
+               paged_attention=paged_attention, pack_linear=pack_weight, linear=linear,
+               pack_quant=pack, quant_linear=quant_linear)

@@ -12,11 +12,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
 from engine.models.gguf_file import GGUFFile, read_gguf
 from engine.models.tokenizer import Tokenizer
+from kernels.quant import QuantRows
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -24,6 +26,8 @@ ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp reorders Q/K rows for these; qwen2 is written as is
 
+_BLOCK_FORMATS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4_0",
+                  GGMLQuantizationType.Q4_1: "q4_1"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -40,12 +44,39 @@ _LAYER_NAMES = {
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read ``path`` once and return its config, fp32 weights in HF naming, and tokenizer."""
+    config, weights, tokenizer, _ = load_gguf_with_blocks(path)
+    return config, weights, tokenizer
+
+
+def load_gguf_with_blocks(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer,
+                                                        dict[str, QuantRows]]:
+    """``load_gguf`` plus the file's own blocks of its matrices (``gguf_blocks``)."""
     gguf_file = read_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
     tensor_names = [tensor.name for tensor in gguf_file.tensors]
     config = gguf_model_config(gguf_file.metadata, tensor_names, tokenizer,
                                name=Path(path).name.removesuffix(".gguf"))
-    return config, gguf_weights(gguf_file, config), tokenizer
+    return config, gguf_weights(gguf_file, config), tokenizer, gguf_blocks(gguf_file, config)
+
+
+def gguf_blocks(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, QuantRows]:
+    """The matrices stored in a block format the quantized kernels read (Q8_0, Q4_0, Q4_1), HF
+    named, rows in HF order (Q/K rows reordered as whole rows of blocks, which are along the
+    inputs); the bytes stay views of the mapped file where no reordering is needed."""
+    arch = gguf_file.metadata["general.architecture"]
+    blocks: dict[str, QuantRows] = {}
+    for tensor in gguf_file.tensors:
+        fmt = _BLOCK_FORMATS.get(tensor.ggml_type)
+        if fmt is None or len(tensor.shape) != 2:
+            continue
+        name = hf_weight_name(tensor.name)
+        data = tensor.data
+        if arch in _PERMUTED_QK and name.endswith("q_proj.weight"):
+            data = unpermute_rope_rows(data, config.num_heads)
+        elif arch in _PERMUTED_QK and name.endswith("k_proj.weight"):
+            data = unpermute_rope_rows(data, config.num_kv_heads)
+        blocks[name] = QuantRows(fmt, data, tensor.shape[1])
+    return blocks
 
 
 def gguf_model_config(metadata: dict[str, Any], tensor_names: list[str], tokenizer: Tokenizer,

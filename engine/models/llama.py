@@ -4,12 +4,17 @@ The forward takes a flattened batch: the tokens of many sequences laid end to en
 padding. Sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; its KV lives in the
 blocks of ``block_tables[i]``. Weights are plain tensors (no nn.Module): the hot loop is a
 handful of kernels per layer with q/k/v and gate/up fused into one matmul each.
+
+With a quantization plan (``engine/models/quant_weights.py``: GGUF blocks per matmul weight)
+every layer matmul and the LM head run on the blocks (``ops.pack_quant``/``ops.quant_linear``);
+the embedding, norms and biases stay fp32 (the embedding is read one row per token).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +22,9 @@ from engine.config import ModelConfig
 from engine.kv_cache.storage import layer_kv
 from kernels.ops import Ops
 from kernels.rotary import build_cos_sin_cache
+
+if TYPE_CHECKING:
+    from kernels.quant import QuantRows
 
 
 @dataclass(slots=True)
@@ -37,12 +45,17 @@ class DecoderLayer:
     __slots__ = ("qkv_weight", "qkv_bias", "o_weight", "gate_up_weight", "down_weight",
                  "input_norm", "post_attention_norm")
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, ops: Ops) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, ops: Ops,
+                 plan: Mapping[str, QuantRows] | None = None) -> None:
         def w(name: str) -> torch.Tensor:
             return weights[f"{prefix}.{name}"]
 
-        def pack(*names: str) -> Any:  # the backend's packed weight (Ops.pack_linear)
-            return ops.pack_linear(torch.cat([w(n) for n in names]).t())
+        def pack(*names: str) -> Any:  # the backend's packed weight (Ops.pack_linear / pack_quant)
+            if plan is None:
+                return ops.pack_linear(torch.cat([w(n) for n in names]).t())
+            from kernels.quant import cat_rows
+
+            return ops.pack_quant(cat_rows([plan[f"{prefix}.{n}"] for n in names]))
 
         self.qkv_weight = pack("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                "self_attn.v_proj.weight")
@@ -72,18 +85,36 @@ class LlamaForCausalLM:
     that need a next-token distribution to fp32 logits."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 quant_plan: Mapping[str, QuantRows] | None = None) -> None:
+        """``quant_plan``: name -> GGUF blocks of every layer matmul weight and of
+        ``lm_head.weight`` (``quant_weights.plan_quantized``); None serves ``weights``. A plan
+        needs float32 activations (ValueError otherwise)."""
         self.config = config
         self.ops = ops
         self.device = torch.device(device)
         self.dtype = dtype
+        if quant_plan is not None and dtype != torch.float32:
+            raise ValueError(f"quantized weights need float32 activations, got dtype {dtype}")
+        self.quantized = quant_plan is not None
         weights = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         self.weight_bytes = _step_weight_bytes(weights)
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        # Tied embeddings: the LM head is a second, transposed copy (read once per step).
-        self.lm_head = ops.pack_linear(weights.get("lm_head.weight", self.embed_tokens).t())
+        if quant_plan is None:
+            # Tied embeddings: the LM head is a second, transposed copy (read once per step).
+            self.lm_head = ops.pack_linear(weights.get("lm_head.weight", self.embed_tokens).t())
+            self.linear = ops.linear
+        else:
+            from engine.models.quant_weights import HEAD, plan_bytes
+
+            self.lm_head = ops.pack_quant(quant_plan[HEAD])
+            self.linear = ops.quant_linear
+            fp32_bytes = sum(t.numel() * t.element_size() for name, t in weights.items()
+                             if name not in quant_plan and name != "model.embed_tokens.weight")
+            self.weight_bytes = plan_bytes(quant_plan) + fp32_bytes
         self.norm = weights["model.norm.weight"]
-        self.layers = [DecoderLayer(weights, f"model.layers.{i}", ops) for i in range(config.num_layers)]
+        self.layers = [DecoderLayer(weights, f"model.layers.{i}", ops, quant_plan)
+                       for i in range(config.num_layers)]
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
@@ -100,7 +131,7 @@ class LlamaForCausalLM:
         Returns hidden states [T, hidden] after the final norm. ``num_layers`` runs only the
         first layers (layer-skip self-speculation shares those layers' KV)."""
         cfg, ops = self.config, self.ops
-        mm = ops.linear
+        mm = self.linear
         num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens[input_ids]
         residual = None
@@ -132,4 +163,4 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
-        return self.ops.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()

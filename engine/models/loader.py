@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,15 +19,19 @@ from engine.models.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import torch
 
+    from kernels.quant import QuantRows
+
 
 @dataclass(frozen=True)
 class LoadedModel:
     """A model ready for the runner. ``weights`` are fp32, in HF naming and layout
-    (see ``expected_weight_shapes``)."""
+    (see ``expected_weight_shapes``); ``blocks`` the same matrices as a GGUF file stores them,
+    for those it stores in a format the quantized kernels read (empty for an HF directory)."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    blocks: dict[str, QuantRows] = field(default_factory=dict)
 
 
 def load_model(path: str | None = None) -> LoadedModel:
@@ -37,17 +41,18 @@ def load_model(path: str | None = None) -> LoadedModel:
     each naming the path.
     """
     resolved = _resolve(path)
+    blocks: dict[str, QuantRows] = {}
     with _naming(resolved):
         if resolved.is_dir():
             from engine.models.hf_loader import load_hf
 
             config, weights, tokenizer = load_hf(resolved)
         else:
-            from engine.models.gguf_loader import load_gguf
+            from engine.models.gguf_loader import load_gguf_with_blocks
 
-            config, weights, tokenizer = load_gguf(resolved)
+            config, weights, tokenizer, blocks = load_gguf_with_blocks(resolved)
         check_weights(config, weights, resolved)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, blocks=blocks)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:

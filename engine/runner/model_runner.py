@@ -14,6 +14,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.storage import allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import LoadedModel
+from engine.models.quant_weights import plan_quantized
 from engine.request import Request
 from engine.runner.cpu_threads import configure_cpu_threads
 from engine.runner.inputs import ScheduledSeq, build_model_input
@@ -50,8 +51,11 @@ class ModelRunner:
         self.backend = select_backend(self.device, dtype)
         if self.device.type == "cpu" and dtype == torch.float32:
             configure_cpu_threads(config.num_threads, self.backend)
+        plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
+                              config.dtype)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights,
-                                      get_ops(self.backend, model_dims(loaded.config)), self.device, dtype)
+                                      get_ops(self.backend, model_dims(loaded.config)), self.device, dtype,
+                                      quant_plan=plan)
         self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = loaded.config.vocab_size

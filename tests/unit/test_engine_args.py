@@ -35,7 +35,8 @@ CHANGED = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=100_000_00
                      enable_prefix_caching=False, max_num_seqs=7, max_num_batched_tokens=256,
                      max_model_len=384, device="cuda", dtype="bfloat16", num_threads=1,
                      spec_method="ngram", spec_k=3, draft_model="/models/draft.gguf",
-                     spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5, cpu_offload_gb=0.25)
+                     spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5, cpu_offload_gb=0.25,
+                     weight_format="auto")
 
 
 def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
@@ -74,7 +75,7 @@ def test_build_applies_every_field():
         scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=256, role=Role.DECODE),
         spec=SpecConfig(method="ngram", k=3, draft_model="/models/draft.gguf", num_layers=6,
                         max_batch=8, draft_cost=0.5),
-        device="cuda", dtype="bfloat16", num_threads=1)
+        device="cuda", dtype="bfloat16", num_threads=1, weight_format="auto")
     default = EngineArgs().build(MODEL, Role.DECODE)
     for f in dataclasses.fields(EngineArgs):  # none of them is dropped on the way
         one = EngineArgs(**{f.name: getattr(CHANGED, f.name)})
