@@ -143,6 +143,7 @@ class Generation:
         self._ready: deque[SampleDelta] = deque()
         self._is_closed = False
         self._has_sent_prompt_logprobs = False
+        self.route: str | None = None  # how the first sample was routed (TokenEvent.route)
 
     @property
     def is_finished(self) -> bool:
@@ -152,6 +153,7 @@ class Generation:
     async def start(self) -> None:
         try:
             self._first_event = await anext(self._events)
+            self.route = self._first_event.route
         except StopAsyncIteration:
             raise BackendError(f"request {self.request_id}: the backend returned no tokens") from None
         except BaseException:
@@ -246,6 +248,9 @@ def _param_of(message: str) -> str | None:
     return word if word.isidentifier() else None
 
 
+ROUTE_HEADER = "pdserve-route"  # HTTP header / gRPC trailing metadata in debug mode: path/reason
+
+
 @dataclass
 class RouterState:
     """What the HTTP and gRPC servers share: ``frontend`` is None until the backend is ready;
@@ -254,6 +259,7 @@ class RouterState:
     backend: Backend
     frontend: Frontend | None = None
     is_draining: bool = False
+    debug_route: bool = False  # tell clients how each request was routed (ROUTE_HEADER)
 
     async def is_healthy(self) -> bool:
         return self.frontend is not None and not self.is_draining and await self.backend.is_healthy()
