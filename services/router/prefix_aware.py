@@ -29,6 +29,7 @@ import redis
 from engine.kv_cache.hashing import BlockHash, hash_request_blocks
 from engine.kv_transfer.base import KVCompat
 from engine.sampling_params import SamplingParams
+from services.index.breaker import BreakerConfig
 from services.index.client import IndexClient
 from services.index.config import IndexClientConfig
 from services.index.schema import IndexMeta
@@ -45,6 +46,10 @@ from services.router.route_plan import (
 )
 
 log = logging.getLogger(__name__)
+# A probe costs one lookup budget (a few ms): after an outage the router retries the index at
+# least every 2 s, so routing is KV-aware again within seconds of Redis coming back.
+ROUTER_CLIENT_CONFIG = IndexClientConfig(breaker=BreakerConfig(failure_threshold=3, base_backoff_s=0.5,
+                                                               max_backoff_s=2.0))
 
 
 class PrefixAwarePolicy(LoadPolicy):
@@ -57,7 +62,7 @@ class PrefixAwarePolicy(LoadPolicy):
         super().__init__()
         self.redis_url = redis_url
         self.config = config = config or RouteConfig()
-        self.client_config = client_config or IndexClientConfig()
+        self.client_config = client_config or ROUTER_CLIENT_CONFIG
         self.decisions = decisions or RouteDecisions()
         self.index: IndexClient | None = None
         self.meta: IndexMeta | None = None
