@@ -39,7 +39,11 @@ class RouteConfig:
     local_headroom_fraction: float = 0.1
     local_max_queued_prefill_tokens: int = 1024
     transfer_alpha: float = 0.25  # a transferred token costs this share of a computed one
-    scoring: PrefixScoringConfig = field(default_factory=PrefixScoringConfig)
+    # The guard trips at 8 long (1,000-token) prompts of imbalance, not at one: with
+    # prefix_policy's default (1,024 tokens) a single queued system prompt would disable the
+    # credits and scatter a tenant's requests (measured in loadtests/bench_routing.py).
+    scoring: PrefixScoringConfig = field(
+        default_factory=lambda: PrefixScoringConfig(imbalance_abs_tokens=8192))
 
     def __post_init__(self) -> None:
         if self.local_prefill_max_tokens < 0 or self.local_max_queued_prefill_tokens < 0:

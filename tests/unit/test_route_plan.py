@@ -86,8 +86,8 @@ def test_index_down_routes_by_load_and_says_so():
 
 
 def test_the_imbalance_guard_spreads_a_hot_prefix():
-    # p0 holds the whole prompt but has 6,000 prompt tokens queued; p1 is idle
-    prefill = [load("p0", prefill_tokens=6000), load("p1")]
+    # p0 holds the whole prompt but has 9,000 prompt tokens queued; p1 is idle
+    prefill = [load("p0", prefill_tokens=9000), load("p1")]
     matches = {"p0": match("p0", device=64)}
     plan = plan_route(1024, BS, prefill, DECODE, matches)
     assert (plan.reason, plan.prefill_address) == ("imbalance", "127.0.0.1:p1")
