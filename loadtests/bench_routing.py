@@ -1,6 +1,6 @@
 """KV-aware versus load-only routing on a multi-tenant workload, in one run.
 
-    pdserve bench routing [--requests 48] [--rate 1.0] [--num-kv-blocks 320] [--json PATH]
+    pdserve bench routing [--requests 64] [--rate 0.5] [--num-kv-blocks 176] [--json PATH]
 
 Starts an embedded redis-server and 2 prefill + 2 decode workers (``--transfer grpc``, one
 thread each, all publishing to the prefix index), then drives the same workload twice through
@@ -14,7 +14,8 @@ system prompt plus a short user turn (20-60 tokens), greedy, 4 new tokens; Poiss
 Reports per phase: prefix hit rate (cached prompt tokens / prompt tokens, as the workers
 report them with the first token), TTFT p50/p99 (request sent -> first token event), failures,
 the route decisions, and for KV-aware the router's added latency per request (hashing, the
-index lookup and scoring: ``RouteDecisions``) p50/p99. Every wait is bounded.
+index lookup and scoring: ``RouteDecisions``) p50/p99, under the workload and "solo" (200
+plans in a row before it, nothing else running in this process). Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class PhaseResult:
     routes: dict[str, int] = field(default_factory=dict)
     decision_p50_ms: float = 0.0
     decision_p99_ms: float = 0.0
+    solo_p50_ms: float = 0.0
+    solo_p99_ms: float = 0.0
     wall_s: float = 0.0
 
     @property
@@ -117,6 +120,26 @@ async def wait_serving(procs: list[tuple[subprocess.Popen, str]]) -> None:
         raise TimeoutError(f"workers not SERVING after {START_TIMEOUT_S} s: {sorted(pending)}")
 
 
+async def solo_decisions(backend: DisaggregatedBackend, requests: list[tuple[float, list[int]]],
+                         num: int = 200) -> list[float]:
+    """Decision times (s) of ``num`` plans in a row with nothing else running in this process:
+    the router's own cost, apart from the workload's contention. Counts are reset after."""
+    policy = backend.policy
+    assert isinstance(policy, PrefixAwarePolicy)
+    params = SamplingParams(temperature=0.0, max_tokens=4, cache_salt="bench-solo")
+    times = []
+    for i in range(num):
+        prompt = requests[i % len(requests)][1]
+        loads = {r: [w.load() for w in backend.pool.healthy(r)] for r in ("prefill", "decode")}
+        started = time.perf_counter()
+        await policy.plan(f"solo-{i}", prompt, params, loads["prefill"], loads["decode"])
+        times.append(time.perf_counter() - started)
+        policy.finish(f"solo-{i}")
+    backend.route_decisions.counts.clear()
+    backend.route_decisions.latencies_s.clear()
+    return times
+
+
 async def run_phase(backend: DisaggregatedBackend, requests: list[tuple[float, list[int]]],
                     salt: str) -> PhaseResult:
     result = PhaseResult()
@@ -167,7 +190,10 @@ async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
                                                poll_interval_s=0.2)
                 await backend.start()
                 try:
+                    solo = await solo_decisions(backend, requests) if policy is not None else []
                     results[mode] = await run_phase(backend, requests, salt=f"bench-{mode}")
+                    results[mode].solo_p50_ms = pct(solo, 0.5) * 1e3
+                    results[mode].solo_p99_ms = pct(solo, 0.99) * 1e3
                 finally:
                     await backend.close()
         finally:
@@ -185,9 +211,10 @@ async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pdserve bench routing", description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=48, help="requests per phase")
-    parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
-    parser.add_argument("--num-kv-blocks", type=int, default=320, help="KV blocks per worker")
+    parser.add_argument("--requests", type=int, default=64, help="requests per phase")
+    parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    parser.add_argument("--num-kv-blocks", type=int, default=176,
+                        help="KV blocks per worker (176 x 16 tokens: under 3 tenants' prompts)")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     if args.requests <= 0 or args.rate <= 0 or args.num_kv_blocks <= 0:
@@ -197,11 +224,12 @@ def main(argv: list[str] | None = None) -> None:
           f"per phase at {args.rate:g}/s (Poisson), 2 prefill + 2 decode, "
           f"{args.num_kv_blocks} KV blocks each; load average {os.getloadavg()[0]:.2f}")
     print(f"{'routing':10s} {'hit rate':>8s} {'TTFT p50 ms':>11s} {'TTFT p99 ms':>11s} "
-          f"{'fail':>4s} {'decide p50 ms':>13s} {'decide p99 ms':>13s}  routes")
+          f"{'fail':>4s} {'decide p50/p99 ms':>17s} {'solo p50/p99 ms':>15s}  routes")
     for mode, r in results.items():
         print(f"{mode:10s} {r.hit_rate:8.1%} {pct(r.ttft_s, .5) * 1e3:11.0f} "
-              f"{pct(r.ttft_s, .99) * 1e3:11.0f} {len(r.failures):4d} {r.decision_p50_ms:13.2f} "
-              f"{r.decision_p99_ms:13.2f}  {r.routes}")
+              f"{pct(r.ttft_s, .99) * 1e3:11.0f} {len(r.failures):4d} "
+              f"{r.decision_p50_ms:8.2f}/{r.decision_p99_ms:<8.2f} "
+              f"{r.solo_p50_ms:7.2f}/{r.solo_p99_ms:<7.2f}  {r.routes}")
     kv, load = results["kv_aware"], results["load_only"]
     print(f"hit rate x{kv.hit_rate / max(load.hit_rate, 1e-9):.2f}; TTFT p99 "
           f"{pct(kv.ttft_s, .99) / max(pct(load.ttft_s, .99), 1e-9):.2f} of load-only")

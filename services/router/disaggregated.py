@@ -115,7 +115,12 @@ class DisaggregatedBackend(Backend):
             except Exception as exc:  # noqa: BLE001 - logged; the index stays off, load routing
                 log.error("prefix index not usable: %s", exc)
         loads = {role: [w.load() for w in self.pool.healthy(role)] for role in ("prefill", "decode")}
-        return await self.policy.plan(request_id, prompt, params, loads["prefill"], loads["decode"])
+        try:
+            return await self.policy.plan(request_id, prompt, params, loads["prefill"], loads["decode"])
+        except Exception:  # noqa: BLE001 - routing advice must never fail a request
+            log.exception("prefix-aware routing of %s failed; routing by load", request_id)
+            self.route_decisions.record("remote/plan_error")
+            return None
 
     async def is_healthy(self) -> bool:
         return bool(self.pool.healthy("prefill")) and bool(self.pool.healthy("decode"))

@@ -3,7 +3,8 @@ decision took (the router's added latency), in one small object a metrics export
 
 Keys are ``RoutePlan.key`` values: ``local/short_uncached``, ``local/decode_holds_prefix``,
 ``remote/prefix``, ``remote/load``, ``remote/imbalance``, ``remote/index_unavailable``, and
-``remote/retry`` (a worker failed before the first event and the load policy picked again).
+``remote/retry`` (a worker failed before the first event and the load policy picked again),
+``remote/plan_error`` (the plan raised: a bug, logged; the load policy picked).
 Updated on the router's event loop only.
 """
 
