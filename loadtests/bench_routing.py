@@ -1,6 +1,6 @@
 """KV-aware versus load-only routing on a multi-tenant workload, in one run.
 
-    pdserve bench routing [--requests 64] [--rate 0.5] [--num-kv-blocks 176] [--json PATH]
+    pdserve bench routing [--requests 64] [--rate 0.4] [--num-kv-blocks 320] [--json PATH]
 
 Starts an embedded redis-server and 2 prefill + 2 decode workers (``--transfer grpc``, one
 thread each, all publishing to the prefix index), then drives the same workload twice through
@@ -212,9 +212,9 @@ async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pdserve bench routing", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64, help="requests per phase")
-    parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
-    parser.add_argument("--num-kv-blocks", type=int, default=176,
-                        help="KV blocks per worker (176 x 16 tokens: under 3 tenants' prompts)")
+    parser.add_argument("--rate", type=float, default=0.4, help="Poisson arrivals per second")
+    parser.add_argument("--num-kv-blocks", type=int, default=320,
+                        help="KV blocks per worker (320 x 16 tokens: about 5 tenants' prompts)")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     if args.requests <= 0 or args.rate <= 0 or args.num_kv_blocks <= 0:
