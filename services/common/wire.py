@@ -193,6 +193,18 @@ def logprobs_list_from_proto(msgs: Sequence[generate_pb2.PositionLogprobs]
 
 # ---- the KV handshake ----------------------------------------------------------------------
 
+def compat_to_proto(c: KVCompat) -> kv_pb2.KVCompat:
+    return kv_pb2.KVCompat(model_name=c.model_name, dtype=c.dtype, block_size=c.block_size,
+                           num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                           head_dim=c.head_dim, layout_version=c.layout_version)
+
+
+def compat_from_proto(c: kv_pb2.KVCompat) -> KVCompat:
+    return KVCompat(model_name=c.model_name, dtype=c.dtype, block_size=c.block_size,
+                    num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                    layout_version=c.layout_version)
+
+
 def handshake_to_proto(h: KVHandshake) -> kv_pb2.KVHandshake:
     c, r = h.compat, h.region
     return kv_pb2.KVHandshake(

@@ -8,6 +8,9 @@
                       to land, then finish_remote_kv(first token) and stream tokens until the
                       request finishes
     ReleaseBlocks     give a reservation back (prefill failed or was cancelled)
+    Generate          a whole request here, prefill included (conditional disaggregation: the
+                      router's choice when the uncached part of the prompt is short); the
+                      stream starts with the first token (``generate_local.py``)
 
 Who frees a reservation's blocks: the engine, once the Decode call handed the request over
 (a client cancel aborts it); before that ReleaseBlocks, the lease, or — for a Decode call that
@@ -39,12 +42,13 @@ from services.common.wire import (
     logprobs_list_to_proto,
     params_from_proto,
 )
+from services.decode.generate_local import generate_local
 from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
 from services.worker.server import RoleHandler, WorkerRuntime
-from services.worker.stats import TransferCounters
+from services.worker.stats import PrefixCounters, TransferCounters
 
 log = logging.getLogger(__name__)
 PUSH_DRAIN_TIMEOUT_S = 10.0  # a release waits this long for gRPC pushes in progress
@@ -65,6 +69,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         self.lease_s = runtime.args.reservation_lease_ms / 1000
         self.reservations = ReservationTable(self.lease_s)
         self.transfer_counters = TransferCounters()
+        self.prefix_counters = PrefixCounters()
         self.receivers = ()
         self._housekeeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -115,6 +120,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "
                 f"KV blocks; a {len(prompt)}-token prompt needs {cdiv(len(prompt), block_size)}")
         self.transfer_counters.num_blocks_skipped_cached += reserved.num_cached_blocks
+        self.prefix_counters.add(len(prompt),
+                                 reserved.num_cached_blocks * self.engine.config.cache.block_size)
         # Only the blocks after the cached prefix are written (and awaited); the cached ones
         # are shared with the prefix cache, so no push may touch them.
         self.reservations.add(reservation_id, prompt, params,
@@ -149,6 +156,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                                 f"{self.lease_s:g} s ran out, released, or its KV already "
                                 "landed and decoding started)")
         return worker_pb2.RenewReservationResponse(lease_ms=int(self.lease_s * 1000))
+
+    async def Generate(self, request: worker_pb2.GenerateLocalRequest,
+                       context: grpc.aio.ServicerContext) -> None:
+        await generate_local(self.engine, self.prefix_counters, request, context)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
         try:

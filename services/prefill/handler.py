@@ -56,7 +56,7 @@ from services.prefill.lease import LeaseKeeper, LeaseLost
 from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
 from services.worker.server import RoleHandler, WorkerRuntime
-from services.worker.stats import TransferCounters
+from services.worker.stats import PrefixCounters, TransferCounters
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 5.0
@@ -84,6 +84,7 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
         self.peers = DecodePeers()
         self.default_method = transfer_methods(runtime.args.transfer)[0]
         self.transfer_counters = TransferCounters()
+        self.prefix_counters = PrefixCounters()
         kv_cache = runtime.engine.kv_cache
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
 
@@ -192,6 +193,7 @@ class _PrefillJob:
                 if stop_token_id is not None:
                     first.stop_token_id = stop_token_id
                 first_token_at = time.monotonic()
+                self.worker.prefix_counters.add(len(self.prompt), output.num_cached_tokens)
                 yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
             if self.transfer is not None and not ends_request:
                 if await self._push(output.num_computed_tokens):

@@ -19,6 +19,7 @@ import sys
 
 from services.common.engine_flags import add_engine_arguments, engine_args_from
 from services.common.settings import add_env_argument
+from services.index.schema import IndexMetaMismatch
 from services.index.settings import add_redis_url_argument
 from services.router.app import RouterConfig, build_backend, run_router
 
@@ -40,8 +41,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="seconds in-flight requests get to finish after SIGTERM")
     add_redis_url_argument(parser, "Redis of the prefix index the workers publish to "
                                    "(services/index; empty: none)")
+    add_env_argument(parser, "--local-prefill-max-tokens", type=int, default=64,
+                     help="with --redis-url: prefill on the decode worker itself when the part of "
+                          "the prompt it has not cached is at most this many tokens (0: never)")
+    add_env_argument(parser, "--debug-route", action="store_true",
+                     help="tell each client how its request was routed (HTTP header / gRPC "
+                          "trailing metadata pdserve-route: path/reason)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    if args.local_prefill_max_tokens < 0:
+        parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
     if args.colocated and (args.prefill or args.decode):
         parser.error("--colocated runs its own engine; drop --prefill / --decode")
     if not args.colocated and not (args.prefill and args.decode):
@@ -64,12 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           model=args.model, max_model_len=args.max_model_len,
-                          drain_grace_s=args.drain_grace_s)
+                          drain_grace_s=args.drain_grace_s, debug_route=args.debug_route)
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
-                            args.decode, args.transfer)
+                            args.decode, args.transfer, redis_url=args.redis_url,
+                            local_prefill_max_tokens=args.local_prefill_max_tokens)
     try:
         asyncio.run(run_router(config, backend))
-    except (OSError, ValueError) as error:  # a port in use, a missing or malformed model
+    except (OSError, ValueError, IndexMetaMismatch) as error:  # a port in use, a bad model, ...
         logging.getLogger("pdserve.router").error("%s", error)
         sys.exit(1)
 

@@ -38,6 +38,7 @@ class RouterConfig:
     model: str | None = None  # None: the embedded default model
     max_model_len: int | None = None
     drain_grace_s: float = 10.0
+    debug_route: bool = False  # answer each request's route (path/reason) in a header / trailer
 
 
 class Router:
@@ -47,6 +48,7 @@ class Router:
         self.config = config
         self.state = RouterState(backend)
         backend.attach_metrics(self.state.metrics)
+        self.state.debug_route = config.debug_route
         self.http: HttpServer | None = None
         self.grpc: GrpcServer | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -126,13 +128,22 @@ class Router:
 
 
 def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
-                  prefill: list[str], decode: list[str], transfer: str) -> Backend:
-    """The in-process engine built from ``engine_args`` (colocated), or the workers."""
+                  prefill: list[str], decode: list[str], transfer: str, redis_url: str = "",
+                  local_prefill_max_tokens: int = 64) -> Backend:
+    """The in-process engine built from ``engine_args`` (colocated), or the workers; with a
+    ``redis_url`` the workers are picked by the prefix index (KV-aware, conditional
+    disaggregation), else by load."""
     if colocated:
         return ColocatedBackend(model, engine_args)
     from services.router.disaggregated import DisaggregatedBackend  # written alongside, lazily
 
-    return DisaggregatedBackend(prefill, decode, transfer=transfer)
+    policy = None
+    if redis_url:
+        from services.router.prefix_aware import PrefixAwarePolicy
+        from services.router.route_plan import RouteConfig
+
+        policy = PrefixAwarePolicy(redis_url, RouteConfig(local_prefill_max_tokens=local_prefill_max_tokens))
+    return DisaggregatedBackend(prefill, decode, transfer=transfer, policy=policy)
 
 
 async def run_router(config: RouterConfig, backend: Backend) -> None:

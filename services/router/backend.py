@@ -40,6 +40,7 @@ class TokenEvent:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    route: str | None = None  # first event of a sample: how it was routed ("path/reason")
 
 
 class Backend(abc.ABC):

@@ -36,13 +36,18 @@ from services.common.pb import worker_pb2
 from services.common.wire import (
     FAILED_PEER_KEY,
     TRANSFER_METHODS,
+    compat_from_proto,
     finish_from_proto,
     logprobs_from_proto,
     logprobs_list_from_proto,
     params_to_proto,
 )
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.local_path import run_local
 from services.router.policy import LoadPolicy, RoutingPolicy
+from services.router.prefix_aware import PrefixAwarePolicy
+from services.router.route_decisions import RouteDecisions
+from services.router.route_plan import RoutePlan
 from services.router.worker_pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,9 @@ class DisaggregatedBackend(Backend):
             raise ValueError(f"transfer must be one of {sorted(TRANSFER_METHODS)}, got {transfer!r}")
         self.pool = WorkerPool(prefill_addresses, decode_addresses, poll_interval_s, rpc_timeout_s)
         self.policy = policy or LoadPolicy()
+        # decisions per path/reason (route_decisions.py); a load policy counts remote/load only
+        self.route_decisions = (self.policy.decisions if isinstance(self.policy, PrefixAwarePolicy)
+                                else RouteDecisions())
         self.transfer_method = TRANSFER_METHODS[transfer]
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
@@ -71,11 +79,48 @@ class DisaggregatedBackend(Backend):
 
     async def start(self) -> None:
         await self.pool.start()
+        await self._configure_index()
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
         await self.pool.close()
+        if isinstance(self.policy, PrefixAwarePolicy):
+            self.policy.close()
+
+    async def _configure_index(self) -> None:
+        """Give a prefix-aware policy the workers' KV compatibility (once any worker answered
+        GetStats). Workers that disagree, or an index with other hash settings, raise."""
+        policy = self.policy
+        if not isinstance(policy, PrefixAwarePolicy) or policy.is_configured:
+            return
+        compats = {compat_from_proto(w.stats.kv_compat)
+                   for ws in self.pool.workers.values() for w in ws
+                   if w.stats.HasField("kv_compat") and w.stats.kv_compat.block_size}
+        if len(compats) > 1:
+            raise ValueError(f"workers report different KV caches, so no one prefix index fits "
+                             f"them all: {sorted(map(str, compats))}")
+        if compats:
+            await asyncio.to_thread(policy.configure, compats.pop())
+
+    async def _plan(self, request_id: str, prompt: list[int],
+                    params: SamplingParams) -> RoutePlan | None:
+        """The prefix-aware plan of one sample; None (load policy picks) without one."""
+        if not isinstance(self.policy, PrefixAwarePolicy):
+            self.route_decisions.record("remote/load")
+            return None
+        if not self.policy.is_configured:
+            try:
+                await self._configure_index()
+            except Exception as exc:  # noqa: BLE001 - logged; the index stays off, load routing
+                log.error("prefix index not usable: %s", exc)
+        loads = {role: [w.load() for w in self.pool.healthy(role)] for role in ("prefill", "decode")}
+        try:
+            return await self.policy.plan(request_id, prompt, params, loads["prefill"], loads["decode"])
+        except Exception:  # noqa: BLE001 - routing advice must never fail a request
+            log.exception("prefix-aware routing of %s failed; routing by load", request_id)
+            self.route_decisions.record("remote/plan_error")
+            return None
 
     async def is_healthy(self) -> bool:
         return bool(self.pool.healthy("prefill")) and bool(self.pool.healthy("decode"))
@@ -124,6 +169,31 @@ class DisaggregatedBackend(Backend):
 
     async def _pipeline(self, request_id: str, prompt: list[int], params: SamplingParams,
                         index: int) -> AsyncIterator[TokenEvent]:
+        plan = await self._plan(request_id, prompt, params)
+        try:
+            if plan is not None and plan.path == "local" and params.prompt_logprobs is None:
+                decode = next((w for w in self.pool.healthy("decode")
+                               if w.address == plan.decode_address), None)
+                if decode is not None:
+                    local = run_local(self, decode, request_id, prompt, params, index, plan)
+                    try:
+                        async for event in local:
+                            yield event
+                    finally:
+                        await local.aclose()
+                    return
+            remote = self._remote(request_id, prompt, params, index, plan)
+            try:
+                async for event in remote:
+                    yield event
+            finally:
+                await remote.aclose()
+        finally:
+            if isinstance(self.policy, PrefixAwarePolicy):
+                self.policy.finish(request_id)
+
+    async def _remote(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      index: int, plan: RoutePlan | None) -> AsyncIterator[TokenEvent]:
         proto_params = params_to_proto(params)
         prefill_call = decode_call = prefill_rest = None
         reservation = None
@@ -131,7 +201,7 @@ class DisaggregatedBackend(Backend):
         finished = False
         try:
             prefill, decode, prefill_call, response = await self._start_prefill(
-                request_id, prompt, proto_params)
+                request_id, prompt, proto_params, plan)
             on_prefill = prefill.begin(prefill_tokens=len(prompt))
             on_decode = decode.begin(blocks=cdiv(len(prompt), decode.stats.block_size or 16))
             while response.WhichOneof("event") != "first_token":
@@ -150,7 +220,8 @@ class DisaggregatedBackend(Backend):
                 prompt_logprobs=logprobs_list_from_proto(first.prompt_logprobs) if index == 0 else None,
                 finish_reason=finish,
                 stop_token_id=first.stop_token_id if first.HasField("stop_token_id") else None,
-                num_prompt_tokens=len(prompt), num_cached_tokens=first.num_cached_prompt_tokens)
+                num_prompt_tokens=len(prompt), num_cached_tokens=first.num_cached_prompt_tokens,
+                route=plan.key if plan is not None else "remote/load")
             if finish is not None:
                 finished = True
                 return
@@ -186,15 +257,18 @@ class DisaggregatedBackend(Backend):
                 if reservation is not None:
                     self._spawn(self._release_after(prefill_call, decode, reservation.reservation_id))
 
-    async def _start_prefill(self, request_id: str, prompt: list[int],
-                             proto_params) -> tuple[Worker, Worker, grpc.aio.UnaryStreamCall, object]:
+    async def _start_prefill(self, request_id: str, prompt: list[int], proto_params,
+                             plan: RoutePlan | None = None
+                             ) -> tuple[Worker, Worker, grpc.aio.UnaryStreamCall, object]:
         """Open a Prefill call and read its first event; on a full or unreachable worker,
-        try the next one."""
+        try the next one (the plan's workers first, then the load policy's picks)."""
         excluded = {"prefill": set(), "decode": set()}
         last_error: grpc.aio.AioRpcError | None = None
         while True:
-            prefill = self._pick("prefill", prompt, excluded["prefill"], last_error)
-            decode = self._pick("decode", prompt, excluded["decode"], last_error)
+            prefill = self._planned("prefill", plan, excluded["prefill"]) or self._pick(
+                "prefill", prompt, excluded["prefill"], last_error)
+            decode = self._planned("decode", plan, excluded["decode"]) or self._pick(
+                "decode", prompt, excluded["decode"], last_error)
             call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling_params=proto_params,
                 decode=worker_pb2.DecodeTarget(worker_id=decode.worker_id, address=decode.address),
@@ -220,6 +294,13 @@ class DisaggregatedBackend(Backend):
                 raise BackendError(f"prefill worker {prefill.address} ended {request_id!r} "
                                    "without any event")
             return prefill, decode, call, response
+
+    def _planned(self, role: str, plan: RoutePlan | None, excluded: set[str]) -> Worker | None:
+        """The plan's worker of ``role`` while it is healthy and not excluded."""
+        if plan is None:
+            return None
+        address = plan.prefill_address if role == "prefill" else plan.decode_address
+        return next((w for w in self.pool.healthy(role, excluded) if w.address == address), None)
 
     def _pick(self, role: str, prompt: list[int], excluded: set[str],
               last_error: grpc.aio.AioRpcError | None) -> Worker:

@@ -160,6 +160,7 @@ class Generation:
         self._timer = frontend.metrics.request(len(prompt_ids), is_stream)
         self.sent_at = self._timer.sent_at
         self._has_failed = False
+        self.route: str | None = None  # how the first sample was routed (TokenEvent.route)
 
     @property
     def is_finished(self) -> bool:
@@ -170,6 +171,7 @@ class Generation:
         try:
             self._first_event = await anext(self._events)
             self._timer.on_event()
+            self.route = self._first_event.route
         except StopAsyncIteration:
             self._has_failed = True
             await self.aclose()
@@ -277,6 +279,9 @@ def _param_of(message: str) -> str | None:
     return word if word.isidentifier() else None
 
 
+ROUTE_HEADER = "pdserve-route"  # HTTP header / gRPC trailing metadata in debug mode: path/reason
+
+
 @dataclass
 class RouterState:
     """What the HTTP and gRPC servers share: ``frontend`` is None until the backend is ready;
@@ -286,6 +291,7 @@ class RouterState:
     frontend: Frontend | None = None
     is_draining: bool = False
     metrics: RouterMetrics = field(default_factory=RouterMetrics.create)
+    debug_route: bool = False  # tell clients how each request was routed (ROUTE_HEADER)
 
     async def is_healthy(self) -> bool:
         return self.frontend is not None and not self.is_draining and await self.backend.is_healthy()

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from services.common.metrics import CONTENT_TYPE, render
 from services.router.backend import BackendError, Overloaded
-from services.router.frontend import Frontend, Generation, InvalidRequest, RouterState
+from services.router.frontend import ROUTE_HEADER, Frontend, Generation, InvalidRequest, RouterState
 from services.router.openai_protocol import (
     OpenAIRequest,
     error_body,
@@ -180,16 +180,18 @@ class _Handlers:
         async with frontend.generate(prompt_ids, params, is_stream=api.stream,
                                      arrived_at=arrived_at) as generation:
             render = ResponseRenderer(api, frontend, generation)
+            headers = ({ROUTE_HEADER: generation.route}
+                       if self.state.debug_route and generation.route else {})
             if api.stream:
-                return await _stream(request, api, generation, render)
+                return await _stream(request, api, generation, render, headers)
             async for delta in generation:
                 render.add(delta)
-            return web.json_response(render.response(), dumps=dumps)
+            return web.json_response(render.response(), dumps=dumps, headers=headers)
 
 
 async def _stream(request: web.Request, api: OpenAIRequest, generation: Generation,
-                  render: ResponseRenderer) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
+                  render: ResponseRenderer, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
     await response.prepare(request)
 
     async def send(data: dict[str, Any]) -> None:

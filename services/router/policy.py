@@ -34,6 +34,7 @@ class WorkerLoad:
     num_running: int = 0
     num_waiting: int = 0
     num_outstanding_prefill_tokens: int = 0
+    worker_id: str = ""  # from its GetStats: the id it publishes to the prefix index under
 
 
 class RoutingPolicy(abc.ABC):

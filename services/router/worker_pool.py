@@ -89,7 +89,8 @@ class Worker:
             num_total_blocks=s.num_total_blocks, block_size=s.block_size or 16,
             num_running=max(s.num_running_requests + requests, 0),
             num_waiting=s.num_waiting_requests,
-            num_outstanding_prefill_tokens=max(s.num_outstanding_prefill_tokens + tokens, 0))
+            num_outstanding_prefill_tokens=max(s.num_outstanding_prefill_tokens + tokens, 0),
+            worker_id=s.worker_id)
 
     async def refresh(self, timeout_s: float) -> None:
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.args import EngineArgs
 from engine.config import ConfigError, Role
 from engine.core import EngineCore
-from engine.kv_transfer.base import KVTransferError
+from engine.kv_transfer.base import KVCompat, KVTransferError
 from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
@@ -34,7 +34,7 @@ from services.index.schema import IndexMetaMismatch
 from services.worker.index_publisher import WorkerIndexPublisher
 from services.worker.request_timer import WorkerMetrics
 from services.worker.settings import apply_cpu_settings
-from services.worker.stats import TransferCounters, WorkerStatsServicer
+from services.worker.stats import PrefixCounters, TransferCounters, WorkerStatsServicer
 
 log = logging.getLogger(__name__)
 STARTUP_ERRORS = (FileNotFoundError, ValueError, ConfigError, KVTransferError, OSError, IndexMetaMismatch)
@@ -56,6 +56,7 @@ class RoleHandler(abc.ABC):
 
     service_names: Sequence[str] = ()
     transfer_counters: TransferCounters  # set by the role's __init__ (GetStats reports them)
+    prefix_counters: PrefixCounters  # likewise
 
     @abc.abstractmethod
     async def start(self) -> list[AddServicer]:
@@ -112,7 +113,9 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
 
         stats = WorkerStatsServicer(read_stats, runtime.worker_id, runtime.role.value,
                                     runtime.engine_args, transfer_methods(args.transfer),
-                                    handler.transfer_counters)
+                                    handler.transfer_counters,
+                                    KVCompat.from_kv_cache(runtime.model_name, engine.kv_cache),
+                                    handler.prefix_counters)
         server = await start_grpc_server(
             [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
             port=args.port, host=args.host,

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import grpc
 
 from engine.args import EngineArgs
+from engine.kv_transfer.base import KVCompat
 from engine.stats import EngineStats
 from services.common.engine_flags import engine_argv
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.wire import compat_to_proto
 
 
 @dataclass
@@ -33,14 +35,38 @@ class TransferCounters:
                                              num_blocks_skipped_cached=self.num_blocks_skipped_cached)
 
 
+@dataclass
+class PrefixCounters:
+    """Prompt tokens a worker computed or reused since it started (``WorkerStats.prefix_cache``):
+    the hit rate the prefix index is judged by. The role's handler adds on the event loop."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+    def add(self, num_prompt_tokens: int, num_cached_prompt_tokens: int) -> None:
+        self.num_requests += 1
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_cached_prompt_tokens += num_cached_prompt_tokens
+
+    def to_proto(self) -> worker_pb2.PrefixCacheCounters:
+        return worker_pb2.PrefixCacheCounters(num_requests=self.num_requests,
+                                              num_prompt_tokens=self.num_prompt_tokens,
+                                              num_cached_prompt_tokens=self.num_cached_prompt_tokens)
+
+
 class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
     """``read_stats`` returns the engine's stats, or raises RuntimeError (answered UNAVAILABLE)
     when the engine cannot be read."""
 
     def __init__(self, read_stats: Callable[[], Awaitable[EngineStats]], worker_id: str, role: str,
                  engine_args: EngineArgs, transfer_methods: Sequence[int] = (),
-                 transfer_counters: TransferCounters | None = None) -> None:
+                 transfer_counters: TransferCounters | None = None,
+                 kv_compat: KVCompat | None = None,
+                 prefix_counters: PrefixCounters | None = None) -> None:
         self.read_stats = read_stats
+        self.kv_compat = compat_to_proto(kv_compat) if kv_compat is not None else None
+        self.prefix_counters = prefix_counters or PrefixCounters()
         self.transfer_counters = transfer_counters or TransferCounters()
         self.worker_id = worker_id
         self.role = role
@@ -60,4 +86,5 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_waiting_requests=stats.num_waiting_requests,
             num_outstanding_prefill_tokens=stats.num_outstanding_prefill_tokens,
             transfer_methods=self.transfer_methods, engine_argv=self.engine_argv,
-            kv_transfer=self.transfer_counters.to_proto())
+            kv_transfer=self.transfer_counters.to_proto(), kv_compat=self.kv_compat,
+            prefix_cache=self.prefix_counters.to_proto())

@@ -95,15 +95,16 @@ def start_kvstore(log_dir: Path, *args: str, transfer: str = "nixl",
 
 
 def start_router(log_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess],
-                 transfer: str) -> WorkerProcess:
-    """``pdserve serve router`` over the given workers; its ``address`` is the gRPC one."""
+                 transfer: str, *extra: str) -> WorkerProcess:
+    """``pdserve serve router`` over the given workers (``extra``: more flags); its ``address``
+    is the gRPC one."""
     grpc_port, http_port = free_port(), free_port()
     log_path = log_dir / f"router-{transfer}-{grpc_port}.log"
     argv = [sys.executable, "-m", "services.cli", "serve", "router",
             "--grpc-port", str(grpc_port), "--http-port", str(http_port),
             "--prefill", ",".join(w.address for w in prefill),
             "--decode", ",".join(w.address for w in decode), "--transfer", transfer,
-            "--drain-grace-s", "2"]
+            "--drain-grace-s", "2", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)

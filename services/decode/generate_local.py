@@ -1,0 +1,95 @@
+"""DecodeService.Generate: one whole request on the decode worker, prefill included.
+
+The router's conditional disaggregation sends a request here when the part of its prompt this
+worker has not cached is short (or it holds most of the prompt and has room): computing that
+part locally is cheaper than a remote prefill plus a KV transfer. The DECODE-role engine admits
+such a request like a colocated one. The stream is ``DecodeResponse``s, the first carrying the
+first token and ``num_cached_prompt_tokens``; the last has a finish reason.
+
+Bad input (empty id, bad params, n > 1, a prompt that cannot fit) is INVALID_ARGUMENT before
+any response; a duplicate id ALREADY_EXISTS. A cancelled call aborts the request in the engine,
+which frees its blocks. Writes go through ``context.write`` from a coroutine, so a cancel runs
+the cleanup at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common.async_engine import AsyncEngine, EngineDead
+from services.common.pb import worker_pb2
+from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
+from services.worker.stats import PrefixCounters
+
+
+async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
+                         request: worker_pb2.GenerateLocalRequest,
+                         context: grpc.aio.ServicerContext) -> None:
+    """Serve one Generate call (module docstring)."""
+    request_id = request.request_id
+    prompt = list(request.prompt_token_ids)
+    if not request_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Generate: request_id is empty")
+    if not prompt:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "Generate: prompt_token_ids is empty: give at least one token")
+    try:
+        params = params_from_proto(request.sampling_params)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Generate: {exc}")
+    if params.n != 1:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Generate: n={params.n}; the router sends n > 1 as n requests")
+    try:
+        queue = engine.subscribe(request_id)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"Generate: {exc}")
+    finished = False
+    # add_request as queued on the engine thread: applied even if this call is cancelled while
+    # waiting, so the cleanup waits for it before aborting.
+    adding = asyncio.ensure_future(
+        engine.call(lambda core: core.add_request(request_id, prompt, params)))
+    try:
+        try:
+            await asyncio.shield(adding)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Generate: {exc}")
+        is_first = True
+        while not finished:
+            output = await engine.next_output(queue)
+            finished = output.finished
+            response = worker_pb2.DecodeResponse(
+                request_id=request_id, token_ids=output.new_token_ids,
+                logprobs=logprobs_list_to_proto(output.new_logprobs),
+                finish_reason=finish_to_proto(output.finish_reason))
+            if isinstance(output.stop_reason, int):
+                response.stop_token_id = output.stop_reason
+            if is_first and (output.new_token_ids or finished):
+                response.num_cached_prompt_tokens = output.num_cached_tokens
+                counters.add(len(prompt), output.num_cached_tokens)
+                is_first = False
+            await context.write(response)
+    except EngineDead as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    finally:
+        engine.unsubscribe(request_id)
+        if not finished:
+            task = asyncio.ensure_future(_abort_when_added(engine, adding, request_id))
+            _CLEANUPS.add(task)
+            task.add_done_callback(_CLEANUPS.discard)
+
+
+_CLEANUPS: set[asyncio.Future[None]] = set()  # strong references until each cleanup ran
+
+
+async def _abort_when_added(engine: AsyncEngine, adding: asyncio.Future[object],
+                            request_id: str) -> None:
+    """Abort ``request_id`` once its add_request went through (no-op if it failed)."""
+    try:
+        await adding
+        if engine.is_alive:
+            await engine.call(lambda core: core.abort_request(request_id))
+    except (ValueError, EngineDead):
+        pass

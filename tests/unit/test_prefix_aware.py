@@ -1,0 +1,130 @@
+"""PrefixAwarePolicy against a real redis-server: the plan follows the index, a burst on a new
+prefix sticks through the router-local memory, reservations reach other routers, Redis dying
+means load-only plans at once, and an index with other hash settings is refused at startup."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from engine.kv_cache.hashing import hash_request_blocks
+from engine.kv_transfer.base import KVCompat
+from engine.sampling_params import SamplingParams
+from services.index.breaker import BreakerConfig
+from services.index.client import IndexClient, IndexClientConfig
+from services.index.schema import IndexMeta, IndexMetaMismatch, WorkerInfo
+from services.index.scripts import IndexScripts
+from services.router.policy import WorkerLoad
+from services.router.prefix_aware import PrefixAwarePolicy
+from services.router.route_plan import RouteConfig
+
+BS = 4
+COMPAT = KVCompat("tiny", "float32", BS, 2, 1, 8)
+META = IndexMeta(COMPAT.model_name, COMPAT.hash, BS)
+CLIENT = IndexClientConfig(budget_s=0.05, breaker=BreakerConfig(2, 0.5, 1.0))
+PROMPT = list(range(100, 140))  # 10 blocks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def load(name: str) -> WorkerLoad:
+    return WorkerLoad(address=f"127.0.0.1:{name}", num_free_blocks=100, num_total_blocks=100,
+                      block_size=BS, worker_id=name)
+
+
+PREFILL, DECODE = [load("p0"), load("p1")], [load("d0"), load("d1")]
+
+
+@pytest.fixture
+def index(redis_server) -> IndexScripts:
+    """p1 holds the first 9 blocks of PROMPT on DEVICE; d0 and p0 are registered, empty."""
+    scripts = IndexScripts(redis.Redis.from_url(redis_server.url), META)
+    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        scripts.register(WorkerInfo(wid, role), "e1", 60_000)
+    hashes = hash_request_blocks(PROMPT, BS)
+    scripts.apply("p1", "e1", 1, [("S", h.hex(), 1) for h in hashes[:9]])
+    return scripts
+
+
+def policy_for(url: str, **config: int) -> PrefixAwarePolicy:
+    policy = PrefixAwarePolicy(url, RouteConfig(local_prefill_max_tokens=config.get("local", 8)),
+                               CLIENT)
+    policy.configure(COMPAT)
+    return policy
+
+
+def test_the_plan_follows_the_index_and_reservations_reach_other_routers(redis_server, index):
+    policy = policy_for(redis_server.url)
+    other = IndexClient(redis_server.url, META, CLIENT)
+    try:
+        plan = asyncio.run(policy.plan("r1", PROMPT, GREEDY, PREFILL, DECODE))
+        assert (plan.path, plan.reason, plan.prefill_address) == ("remote", "prefix", "127.0.0.1:p1")
+        deadline = time.monotonic() + 2.0
+        while other.match([])["p1"].num_reserved != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other.match([])["p1"].num_reserved == 1
+        policy.finish("r1")
+        while other.match([])["p1"].num_reserved != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other.match([])["p1"].num_reserved == 0
+        assert policy.decisions.snapshot() == {"remote/prefix": 1}
+    finally:
+        policy.close()
+        other.close()
+
+
+def test_a_salted_prompt_does_not_match_the_unsalted_prefix(redis_server, index):
+    policy = policy_for(redis_server.url)
+    try:
+        salted = GREEDY.replace(cache_salt="tenant-a")
+        plan = asyncio.run(policy.plan("r1", PROMPT, salted, PREFILL, DECODE))
+        assert (plan.reason, plan.prefill_address) == ("load", "127.0.0.1:p0")
+    finally:
+        policy.close()
+
+
+def test_a_burst_on_a_new_prefix_sticks_before_events_arrive(redis_server, index):
+    policy = policy_for(redis_server.url, local=0)
+    fresh = list(range(500, 540))
+    try:
+        first = asyncio.run(policy.plan("a", fresh, GREEDY, PREFILL, DECODE))
+        # p0 now looks busier by load, but the router remembers where the prefix went
+        busier = [WorkerLoad(**{**vars_of(PREFILL[0]), "num_outstanding_prefill_tokens": 8}), PREFILL[1]]
+        second = asyncio.run(policy.plan("b", fresh, GREEDY, busier, DECODE))
+        assert first.prefill_address == second.prefill_address == "127.0.0.1:p0"
+        assert second.reason == "prefix"
+        # ... and the decode worker that got it now counts as holding it: local prefill
+        policy.config = RouteConfig(local_prefill_max_tokens=8)
+        third = asyncio.run(policy.plan("c", fresh, GREEDY, PREFILL, DECODE))
+        assert (third.path, third.decode_address) == ("local", first.decode_address)
+    finally:
+        policy.close()
+
+
+def vars_of(w: WorkerLoad) -> dict[str, object]:
+    return {name: getattr(w, name) for name in WorkerLoad.__slots__}
+
+
+def test_redis_down_gives_load_only_plans_at_once(redis_server, index):
+    policy = policy_for(redis_server.url, local=0)
+    try:
+        redis_server.kill()
+        started = time.perf_counter()
+        plans = [asyncio.run(policy.plan(f"r{i}", PROMPT, GREEDY, PREFILL, DECODE)) for i in range(5)]
+        elapsed = time.perf_counter() - started
+        assert {p.reason for p in plans} == {"index_unavailable"}
+        assert elapsed < 1.0, f"5 plans took {elapsed:.3f} s with Redis down"
+    finally:
+        policy.close()
+
+
+def test_an_index_with_other_hash_settings_is_refused_at_startup(redis_server, index):
+    other = KVCompat("tiny", "float32", BS, 2, 1, 8)
+    policy = PrefixAwarePolicy(redis_server.url, client_config=CLIENT)
+    scripts = IndexScripts(redis.Redis.from_url(redis_server.url), META)
+    scripts.client.hset(f"{META.scope}meta", "hash_seed", "another-seed")
+    with pytest.raises(IndexMetaMismatch, match="hash_seed"):
+        policy.configure(other)
+    policy.close()
