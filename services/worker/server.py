@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.args import EngineArgs
 from engine.config import ConfigError, Role
 from engine.core import EngineCore
-from engine.kv_transfer.base import KVTransferError
+from engine.kv_transfer.base import KVCompat, KVTransferError
 from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
@@ -31,6 +31,7 @@ from services.common.pb import worker_pb2_grpc
 from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
 from services.index.schema import IndexMetaMismatch
 from services.worker.index_publisher import WorkerIndexPublisher
+from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
 from services.worker.settings import apply_cpu_settings
 from services.worker.stats import TransferCounters, WorkerStatsServicer
 
@@ -46,6 +47,7 @@ class WorkerRuntime:
     worker_id: str
     model_name: str
     engine: AsyncEngine
+    kvstore: KVStoreTier | None = None  # the engine's lower tier (--kvstore-address)
 
 
 class RoleHandler(abc.ABC):
@@ -80,12 +82,31 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
         config = engine_args.build(loaded.config, role)
         if getattr(args, "redis_url", ""):  # the prefix index follows the cache through its events
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_events=True))
-        return EngineCore(config, loaded)
+        if kvstore is None:
+            return EngineCore(config, loaded)
+        core = EngineCore(config, loaded, lower_tier=kvstore)
+        kvstore.start(KVCompat.from_kv_cache(config.model.name, core.runner.kv_cache))
+        return core
 
+    kvstore = kvstore_tier_from(args)
     engine = AsyncEngine()
-    core = await engine.build(make_core)
+    try:
+        core = await engine.build(make_core)
+    except BaseException:
+        if kvstore is not None:
+            kvstore.close()
+        raise
     worker_id = args.worker_id or f"{role.value}-{args.port}"
-    return WorkerRuntime(args, engine_args, role, worker_id, core.config.model.name, engine)
+    return WorkerRuntime(args, engine_args, role, worker_id, core.config.model.name, engine, kvstore)
+
+
+def kvstore_tier_from(args: argparse.Namespace) -> KVStoreTier | None:
+    """The kvstore tier ``--kvstore-address`` names, not started; None without one.
+    Raises ValueError for a bad budget."""
+    address = getattr(args, "kvstore_address", "")
+    if not address:
+        return None
+    return KVStoreTier(KVStoreTierConfig(address, lookup_budget_s=args.kvstore_lookup_ms / 1000))
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
@@ -117,6 +138,8 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
             await index.close()
         await handler.close()
         runtime.engine.stop()
+        if runtime.kvstore is not None:
+            runtime.kvstore.close()
         log.info("%s worker %s stopped", runtime.role.value, runtime.worker_id)
 
 

@@ -16,6 +16,7 @@ from engine.args import EngineArgs
 from engine.stats import EngineStats
 from services.common.engine_flags import engine_argv
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.wire import tier_stats_to_proto
 
 
 @dataclass
@@ -60,4 +61,4 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_waiting_requests=stats.num_waiting_requests,
             num_outstanding_prefill_tokens=stats.num_outstanding_prefill_tokens,
             transfer_methods=self.transfer_methods, engine_argv=self.engine_argv,
-            kv_transfer=self.transfer_counters.to_proto())
+            kv_transfer=self.transfer_counters.to_proto(), tiers=tier_stats_to_proto(stats.tiers))
