@@ -5,7 +5,7 @@
     pdserve serve ray --config app.yaml  (the Ray Serve application: services/ray/)
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
     pdserve health HOST:PORT | http://HOST:PORT/health  (exit 0 when SERVING / 200)
-    pdserve bench engine|kernels|serve|spec|kv|disagg [...]  (loadtests/bench_*.py)
+    pdserve bench engine|kernels|serve|spec|kv|disagg|prefix [...]  (loadtests/bench_*.py)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
 """
@@ -30,6 +30,7 @@ COMMANDS = {
     ("bench", "spec"): "loadtests.bench_spec",
     ("bench", "kv"): "loadtests.bench_kv_transfer",
     ("bench", "disagg"): "loadtests.bench_disagg",
+    ("bench", "prefix"): "loadtests.bench_prefix",
 }
 
 USAGE = "usage: pdserve {" + " | ".join(" ".join(k) for k in COMMANDS) + "} [options]"
