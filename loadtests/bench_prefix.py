@@ -8,9 +8,9 @@ prompt whose first ``--cached-len`` tokens are cached
 
 - on device: the same engine ran a prompt with that prefix just before;
 - on host: that prompt was then pushed off the device by two others (host tier large enough);
-- in the kvstore: the same, with a host tier of ``--small-host-blocks`` blocks, so the prefix went
-  on to a real ``pdserve serve kvstore`` process (started here, gRPC, loopback) through the
-  worker's ``KVStoreTier``;
+- in the kvstore: the same, with two more prompts pushing it off a host tier of one prompt's
+  blocks, on to a real ``pdserve serve kvstore`` process (started here, gRPC, loopback) through
+  the worker's ``KVStoreTier`` (loaded back through host slots);
 - not at all: a fresh prefix (the miss, the baseline of every ratio).
 
 Each case uses its own random prefix and a fresh engine state, and its greedy output is compared
@@ -73,13 +73,18 @@ class Bench:
         self.host = self.engine(num_prompt_blocks + 16, host_gib)
         self.kvstore_tier = KVStoreTier(KVStoreTierConfig(kvstore_address, lookup_budget_s=args.lookup_ms / 1000,
                                                           load_budget_s=30.0, max_queued_blocks=4096))
-        self.kvstore = self.engine(num_prompt_blocks + 16, args.small_host_blocks * block_bytes / 2**30,
+        # A host tier that holds one prompt's blocks (the kvstore's continuation is staged there).
+        self.kvstore = self.engine(num_prompt_blocks + 16, (num_prompt_blocks + 8) * block_bytes / 2**30,
                                    self.kvstore_tier)
         self.kvstore_tier.start(KVCompat.from_kv_cache(loaded.config.name, self.kvstore.runner.kv_cache))
+        for core in (self.device, self.host, self.kvstore):  # first-forward costs out of the numbers
+            self._run(core, self.tokens(2 * args.block_size))
+            core.reset_prefix_cache()
 
     def engine(self, num_blocks: int, host_gib: float, lower: KVStoreTier | None = None) -> EngineCore:
         engine_args = EngineArgs(block_size=self.args.block_size, num_kv_blocks=num_blocks,
-                                 max_num_batched_tokens=2048, cpu_offload_gb=host_gib)
+                                 max_num_batched_tokens=2048, cpu_offload_gb=host_gib,
+                                 num_threads=self.args.num_threads)
         return EngineCore(engine_args.build(self.loaded.config, Role.COLOCATED), self.loaded, lower_tier=lower)
 
     def tokens(self, n: int) -> list[int]:
@@ -93,9 +98,10 @@ class Bench:
     def _run(self, core: EngineCore, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[float, list[int], int]:
         return run(core, prompt, params, f"r{next(self.ids)}")
 
-    def push_out(self, core: EngineCore) -> None:
-        """Two unrelated prompts: everything cached before leaves the device (and a small host)."""
-        for _ in range(2):
+    def push_out(self, core: EngineCore, num_prompts: int) -> None:
+        """Unrelated prompts, so that everything cached before leaves the device (2) and the
+        host tier too (4, with the kvstore case's host of one prompt's blocks)."""
+        for _ in range(num_prompts):
             self._run(core, self.tokens(self.args.prompt_len), FILLER)
 
     def case(self, tier: str) -> tuple[float, int, bool]:
@@ -105,7 +111,7 @@ class Bench:
         if tier != "none":
             self._run(core, warm)
         if tier in ("host", "kvstore"):
-            self.push_out(core)
+            self.push_out(core, 2 if tier == "host" else 4)
         if tier == "kvstore":
             self.wait_in_kvstore(prompt)
         ttft, tokens, num_cached = self._run(core, prompt)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--cached-len", type=int, default=1900)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--small-host-blocks", type=int, default=16, help="host tier of the kvstore case")
+    parser.add_argument("--num-threads", type=int, default=0, help="engine threads (0: the engine's default)")
     parser.add_argument("--lookup-ms", type=float, default=50.0, help="the kvstore tier's lookup budget")
     parser.add_argument("--kvstore-port", type=int, default=50981)
     parser.add_argument("--rounds", type=int, default=1)

@@ -2,6 +2,7 @@
 
     pdserve serve kvstore [--host 127.0.0.1] [--port 50081] [--kvstore-gib 1.0]
                           [--transfer nixl|grpc] [--default-lease-ms 5000] [--drain-grace-s 10]
+                          [--redis-url redis://HOST:PORT/0] [--index-heartbeat-s 2]
                           (every flag: PDSERVE_* too)
 
 With ``--transfer nixl`` (the default) each compat's region is registered with a NIXL agent
@@ -37,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--max-lease-ms", type=int, default=60_000, help="longest read lease granted")
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight requests may still run")
+    add(parser, "--redis-url", default="",
+        help="publish the stored blocks (tier kvstore, worker kvstore@<node>) to the prefix index "
+             "in this Redis, e.g. redis://127.0.0.1:6379/0 (empty: no index)")
+    add(parser, "--index-heartbeat-s", type=float, default=2.0,
+        help="seconds between index lease renewals")
     return parser
 
 
@@ -62,10 +68,15 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_grpc_server(
         [(kvstore_pb2_grpc.add_KVStoreServiceServicer_to_server, servicer)],
         port=args.port, host=args.host, service_names=[KVSTORE_SERVICE_NAME])
+    if args.redis_url:
+        from services.kvstore.index_publisher import KVStoreIndexPublisher
+        servicer.index = KVStoreIndexPublisher(args.redis_url, store, server.address, args.index_heartbeat_s)
     print(f"listening on {server.address}", flush=True)
     try:
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:
+        if servicer.index is not None:
+            await servicer.index.close()
         if nixl is not None:
             nixl.close()
 
