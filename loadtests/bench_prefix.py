@@ -36,6 +36,7 @@ from engine.config import Role
 from engine.core import EngineCore
 from engine.kv_cache.hashing import hash_request_blocks
 from engine.kv_transfer.base import KVCompat
+from engine.mathutils import cdiv
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling_params import SamplingParams
 from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
@@ -67,7 +68,7 @@ class Bench:
         self.ids = iter(range(10**9))
         block_bytes = 2 * loaded.config.num_layers * args.block_size * loaded.config.num_kv_heads \
             * loaded.config.head_dim * 4
-        num_prompt_blocks = -(-(args.prompt_len + GREEDY.max_tokens) // args.block_size)
+        num_prompt_blocks = cdiv(args.prompt_len + (GREEDY.max_tokens or 0), args.block_size)
         self.device = self.engine(num_prompt_blocks + 16, 0.0)
         host_gib = (3 * num_prompt_blocks) * block_bytes / 2**30
         self.host = self.engine(num_prompt_blocks + 16, host_gib)
@@ -76,7 +77,7 @@ class Bench:
         # A host tier that holds one prompt's blocks (the kvstore's continuation is staged there).
         self.kvstore = self.engine(num_prompt_blocks + 16, (num_prompt_blocks + 8) * block_bytes / 2**30,
                                    self.kvstore_tier)
-        self.kvstore_tier.start(KVCompat.from_kv_cache(loaded.config.name, self.kvstore.runner.kv_cache))
+        self.kvstore_tier.start(KVCompat.from_kv_cache(loaded.config.name, self.kvstore.kv_cache))
         for core in (self.device, self.host, self.kvstore):  # first-forward costs out of the numbers
             self._run(core, self.tokens(2 * args.block_size))
             core.reset_prefix_cache()

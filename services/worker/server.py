@@ -85,7 +85,7 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
         if kvstore is None:
             return EngineCore(config, loaded)
         core = EngineCore(config, loaded, lower_tier=kvstore)
-        kvstore.start(KVCompat.from_kv_cache(config.model.name, core.runner.kv_cache))
+        kvstore.start(KVCompat.from_kv_cache(config.model.name, core.kv_cache))
         return core
 
     kvstore = kvstore_tier_from(args)
