@@ -96,7 +96,8 @@ class Bench:
         prefix, tail = self.tokens(self.args.cached_len), self.args.prompt_len - self.args.cached_len
         return prefix + self.tokens(tail), prefix + self.tokens(tail)
 
-    def _run(self, core: EngineCore, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[float, list[int], int]:
+    def _run(self, core: EngineCore, prompt: list[int],
+             params: SamplingParams = GREEDY) -> tuple[float, list[int], int]:
         return run(core, prompt, params, f"r{next(self.ids)}")
 
     def push_out(self, core: EngineCore, num_prompts: int) -> None:

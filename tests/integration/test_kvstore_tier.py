@@ -6,7 +6,6 @@ is a miss and is recomputed, output unchanged; the KVSTORE TierStats count both.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest

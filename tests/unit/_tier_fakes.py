@@ -17,9 +17,9 @@ import torch
 
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import HostBlockPool
 from engine.kv_cache.host_tier import HostTier
-from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.load_cost import LoadCostModel
 from engine.kv_cache.lower_stage import LowerTierStager
 from engine.kv_cache.lower_tier import EvictedBlock
