@@ -44,6 +44,7 @@ from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
 CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 FILLER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+CHAT_SYSTEM_LEN, CHAT_USER_LEN, CHAT_ANSWER_LEN = 200, 60, 40  # tokens
 
 
 def run(core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str) -> tuple[float, list[int], int]:
@@ -69,7 +70,8 @@ class Bench:
         block_bytes = 2 * loaded.config.num_layers * args.block_size * loaded.config.num_kv_heads \
             * loaded.config.head_dim * 4
         num_prompt_blocks = cdiv(args.prompt_len + (GREEDY.max_tokens or 0), args.block_size)
-        self.device = self.engine(num_prompt_blocks + 16, 0.0)
+        chat_len = CHAT_SYSTEM_LEN + args.chat_turns * (CHAT_USER_LEN + CHAT_ANSWER_LEN)
+        self.device = self.engine(max(num_prompt_blocks, cdiv(chat_len, args.block_size)) + 16, 0.0)
         host_gib = (3 * num_prompt_blocks) * block_bytes / 2**30
         self.host = self.engine(num_prompt_blocks + 16, host_gib)
         self.kvstore_tier = KVStoreTier(KVStoreTierConfig(kvstore_address, lookup_budget_s=args.lookup_ms / 1000,
@@ -131,7 +133,7 @@ class Bench:
     def chat(self, num_turns: int, user_len: int, answer_len: int) -> list[tuple[int, int]]:
         """[(prompt tokens, of which served from cache) per turn] of a replayed conversation."""
         self.device.reset_prefix_cache()
-        conversation = self.tokens(200)  # the system prompt
+        conversation = self.tokens(CHAT_SYSTEM_LEN)
         params = SamplingParams(temperature=0.0, max_tokens=answer_len, ignore_eos=True)
         turns = []
         for _ in range(num_turns):
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         bench = Bench(load_model(args.model), args, f"127.0.0.1:{args.kvstore_port}")
         cases = {tier: best_of(args.rounds, lambda t=tier: bench.case(t))
                  for tier in ("none", "device", "host", "kvstore")}
-        turns = bench.chat(args.chat_turns, user_len=60, answer_len=40)
+        turns = bench.chat(args.chat_turns, user_len=CHAT_USER_LEN, answer_len=CHAT_ANSWER_LEN)
         bench.kvstore_tier.close()
     finally:
         store.terminate()

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.host_pool import copy_block_runs
 from engine.kv_cache.lower_tier import EvictedBlock
 from engine.kv_transfer.base import KVCompat
 from services.kvstore.client import KVStoreClient
@@ -152,8 +153,8 @@ class KVStoreTier:
         except (TimeoutError, concurrent.futures.TimeoutError):
             self.counters.num_load_timeouts += 1
             return 0
-        for i in range(num_filled):
-            dst[dst_slots[i]].copy_(staging[i])
+        # One memcpy per run of consecutive slots (torch's copy_ per block is slow on a busy CPU).
+        copy_block_runs(dst, list(dst_slots[:num_filled]), staging, list(range(num_filled)))
         return num_filled
 
     # ---- the loop thread -------------------------------------------------------------

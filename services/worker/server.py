@@ -85,6 +85,9 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
         if kvstore is None:
             return EngineCore(config, loaded)
         core = EngineCore(config, loaded, lower_tier=kvstore)
+        if len(core.stats().tiers) < 3:  # no host tier: the kvstore has nothing to stage through
+            log.warning("--kvstore-address %s is unused: the host tier is off (--cpu-offload-gb 0 "
+                        "or no prefix caching)", kvstore.config.address)
         kvstore.start(KVCompat.from_kv_cache(config.model.name, core.kv_cache))
         return core
 
