@@ -14,6 +14,7 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import HostBlockPool
 from engine.kv_cache.host_tier import HostTier, NoHostTier
 from engine.kv_cache.load_cost import LoadCostModel
+from engine.kv_cache.lower_stage import LOWER_TIER_COST_DEFAULTS, LowerTierStager
 from engine.kv_cache.lower_tier import LowerTier
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.storage import host_pool_num_blocks
@@ -32,7 +33,8 @@ class EngineCore:
         """An engine for ``loaded`` that serves ``config.model``: the loaded model's config,
         where only ``max_model_len`` may differ (``EngineArgs.max_model_len``).
         Raises ConfigError when any other field differs. ``lower_tier`` (a kvstore client) is
-        offered the blocks the host tier evicts."""
+        offered the blocks the host tier evicts and asked, at admission, for the chain after a
+        host hit (``engine/kv_cache/lower_stage.py``); it needs the host tier (else unused)."""
         if dataclasses.replace(config.model, max_model_len=loaded.config.max_model_len) != loaded.config:
             raise ConfigError(f"EngineConfig.model is not the loaded model's config (only "
                               f"max_model_len may differ): {config.model} vs {loaded.config}")
@@ -60,10 +62,13 @@ class EngineCore:
         if not cache.enable_prefix_caching or num_host_blocks < 1:
             return NoHostTier()
         host_pool = HostBlockPool(num_host_blocks, tuple(kv_cache.shape[1:]), kv_cache.dtype,
-                                  event_sink=self.block_pool.queue_event,
-                                  on_evict=lower_tier.offer if lower_tier is not None else None,
-                                  pin_memory=kv_cache.is_cuda)
-        host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size))
+                                  event_sink=self.block_pool.queue_event, pin_memory=kv_cache.is_cuda)
+        stager = None
+        if lower_tier is not None:  # host evictions go down; admission continues a host hit from it
+            stager = LowerTierStager(lower_tier, host_pool,
+                                     LoadCostModel(cache.block_size, LOWER_TIER_COST_DEFAULTS))
+            host_pool.set_eviction_listener(stager.offer)
+        host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size), stager)
         self.block_pool.set_eviction_listener(host_tier.on_device_evict)
         return host_tier
 
@@ -148,7 +153,7 @@ class EngineCore:
         """Feed the recompute estimate of the host tier's load decisions: a step of at least a
         block's worth of tokens is prefill-dominated, so its rate estimates prefill tok/s."""
         if isinstance(self.host_tier, HostTier) and num_tokens >= self.config.cache.block_size:
-            self.host_tier.cost.observe_prefill(num_tokens, seconds)
+            self.host_tier.observe_prefill(num_tokens, seconds)
 
     def _forget_sample(self, output: RequestOutput) -> None:
         if self.spec is not None:
@@ -242,7 +247,12 @@ class EngineCore:
         host_pool = self.host_tier.host_pool
         host = TierStats.of(Tier.HOST, host_pool.num_blocks, host_pool.num_cached_blocks,
                             host_pool.num_stored_blocks, host_pool.num_evicted_blocks, self.host_tier.counters)
-        return device, host
+        lower = self.host_tier.lower
+        if lower is None:
+            return device, host
+        # The store's capacity and holdings are its own (its stats): here, this worker's traffic.
+        kvstore = TierStats.of(Tier.KVSTORE, 0, 0, lower.num_offered_blocks, 0, lower.counters)
+        return device, host, kvstore
 
     def cached_block_hashes(self) -> list[tuple[BlockHash, Tier]]:
         """What this worker holds now, for a prefix-index snapshot: one (hash, tier) per block

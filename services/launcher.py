@@ -168,15 +168,17 @@ def cpu_split(num_prefill: int, num_decode: int) -> tuple[list[int], list[int]] 
     return cpus[:half], cpus[half:]
 
 
-def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
+def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> tuple[list[Child], Child]:
     """The worker processes and the router process to start. Each gets ``--model`` and every
     engine flag whose value in ``args`` differs from its default (the user's, from the command
     line or ``PDSERVE_*``); the workers' ``--num-threads`` from the core split comes before
     them, so one the user gave wins, and ``--worker-args`` come last. ``args.redis_url``
-    (when set) goes to every worker and the router."""
+    (when set) goes to every worker and the router, ``kvstore_address`` (the node's kvstore,
+    when one runs) to every worker."""
     workers: list[Child] = []
     extra = args.worker_args.split()
     index_argv = ["--redis-url", args.redis_url] if getattr(args, "redis_url", "") else []
+    kvstore_argv = ["--kvstore-address", kvstore_address] if kvstore_address else []
     engine = [*(["--model", args.model] if args.model else []), *engine_argv(engine_args_from(args))]
     split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
     if not args.colocated:
@@ -193,7 +195,7 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *engine, *extra],
+                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *kvstore_argv, *engine, *extra],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
                    "--grpc-port", str(args.grpc_port), *index_argv, *engine]
@@ -209,13 +211,16 @@ def plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
 
 
 def plan_kvstore(args: argparse.Namespace, log_dir: Path) -> Child | None:
-    """The node's kvstore process (one per ``up``), or None with ``--kvstore-gib 0``."""
+    """The node's kvstore process (one per ``up``), or None with ``--kvstore-gib 0``; it
+    publishes its blocks to the prefix index when ``args.redis_url`` is set."""
     if args.kvstore_gib <= 0:
         return None
     port = free_port()
+    index_argv = ["--redis-url", args.redis_url] if getattr(args, "redis_url", "") else []
     return Child("kvstore", ["-m", "services.cli", "serve", "kvstore", "--host", HOST,
                              "--port", str(port), "--kvstore-gib", str(args.kvstore_gib),
-                             "--transfer", args.transfer, "--drain-grace-s", str(args.drain_grace_s)],
+                             "--transfer", args.transfer, "--drain-grace-s", str(args.drain_grace_s),
+                             *index_argv],
                  f"{HOST}:{port}", log_dir / "kvstore.log")
 
 
@@ -302,8 +307,8 @@ def start_redis() -> EmbeddedRedis | None:
 
 
 async def _run_children(args: argparse.Namespace, env: dict[str, str], log_dir: Path) -> int:
-    workers, router = plan(args, log_dir)
     kvstore = plan_kvstore(args, log_dir)
+    workers, router = plan(args, log_dir, kvstore.grpc_address if kvstore is not None else "")
     if kvstore is not None:
         print(f"pdserve up: kvstore at {kvstore.grpc_address}", file=sys.stderr, flush=True)
         workers = [kvstore, *workers]

@@ -120,6 +120,10 @@ class HostBlockPool:
         self.num_stored_blocks = 0
         self.num_evicted_blocks = 0
 
+    def set_eviction_listener(self, on_evict: Callable[[list[EvictedBlock]], None] | None) -> None:
+        """Who is offered the blocks the LRU evicts (``on_evict`` of the constructor)."""
+        self._on_evict = on_evict
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._entries)

@@ -19,6 +19,10 @@ fresh device blocks for them, and ``load`` copies them in one batch of run copie
 forward. A failed copy is retried block by block: the request keeps the leading blocks that
 loaded and recomputes from the first that did not (its entry is dropped from the host pool).
 The host copy stays (inclusive), so evicting a reloaded block again needs no copy.
+
+Below the host tier. With a ``LowerTierStager`` (the node's kvstore), ``match`` continues the
+chain after the host hit from the lower tier, staged into host slots (``lower_stage.py``), and
+``load`` moves those up with the host hits in one batch.
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import HostBlockPool, HostEntry, copy_block_runs
 from engine.kv_cache.load_cost import LoadCostModel
+from engine.kv_cache.lower_stage import LowerTierStager
 from engine.stats import TierCounters
 
 
 class HostTier:
     """Moves cached blocks between a device KV cache and a ``HostBlockPool``."""
 
-    def __init__(self, host_pool: HostBlockPool, device_cache: torch.Tensor, cost: LoadCostModel) -> None:
+    def __init__(self, host_pool: HostBlockPool, device_cache: torch.Tensor, cost: LoadCostModel,
+                 lower: LowerTierStager | None = None) -> None:
         if tuple(host_pool.kv_cache.shape[1:]) != tuple(device_cache.shape[1:]):
             raise ValueError(f"host blocks {tuple(host_pool.kv_cache.shape[1:])} and device blocks "
                              f"{tuple(device_cache.shape[1:])} differ in shape")
@@ -46,6 +52,8 @@ class HostTier:
         self.device_cache = device_cache
         self.cost = cost
         self.counters = TierCounters()
+        self.lower = lower
+        self._num_host_run = 0  # host-held blocks in the last ``match`` (the rest came from below)
         self._pending: list[tuple[int, HostEntry]] = []  # (device block id, pinned host entry)
 
     def on_device_evict(self, blocks: list[KVBlock]) -> None:
@@ -79,14 +87,24 @@ class HostTier:
         self.host_pool.unpin(entries)
         self.counters.num_offloaded_bytes += len(entries) * self.host_pool.block_bytes
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> list[HostEntry]:
+    def match(self, block_hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None,
+              token_ids: Sequence[int] | None = None) -> list[HostEntry]:
         """The host entries of the leading run of ``block_hashes`` (the chain after the device
         hit, capped by the caller), pinned for ``load`` or ``release``; [] when loading them is
-        estimated slower than recomputing."""
+        estimated slower than recomputing. With ``token_ids`` (the blocks' tokens) and a lower
+        tier, the run continues with the lower tier's blocks staged into host slots;
+        ``parent_hash`` is the block before ``block_hashes[0]`` (None at a sequence's start)."""
         run = self.host_pool.match_prefix(block_hashes)
-        if not self.cost.should_load(len(run)):
+        self._num_host_run = 0
+        if run and not self.cost.should_load(len(run)):
             return []
         self.host_pool.pin(run)
+        self._num_host_run = len(run)
+        if self.lower is not None and token_ids is not None and len(run) < len(block_hashes):
+            block_size = len(token_ids) // len(block_hashes)  # token_ids: exactly the blocks' tokens
+            rest = len(run)
+            run = run + self.lower.stage(block_hashes[rest:], block_hashes[rest - 1] if rest else parent_hash,
+                                         token_ids[rest * block_size:], block_size)
         return run
 
     def release(self, entries: Sequence[HostEntry]) -> None:
@@ -134,9 +152,18 @@ class HostTier:
 
     def record_query(self, num_queried_blocks: int, num_hit_blocks: int, block_size: int) -> None:
         """Count one admission's lookup: blocks asked of this tier and blocks it served."""
+        num_host_hits = min(num_hit_blocks, self._num_host_run)  # the rest came from the lower tier
         self.counters.num_queried_blocks += num_queried_blocks
-        self.counters.num_hit_blocks += num_hit_blocks
-        self.counters.num_hit_tokens += num_hit_blocks * block_size
+        self.counters.num_hit_blocks += num_host_hits
+        self.counters.num_hit_tokens += num_host_hits * block_size
+        self._num_host_run = 0
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A forward computed ``num_tokens`` prompt tokens in ``seconds``: feeds the recompute
+        estimate of this tier's and the lower tier's load decisions."""
+        self.cost.observe_prefill(num_tokens, seconds)
+        if self.lower is not None:
+            self.lower.cost.observe_prefill(num_tokens, seconds)
 
     def clear(self, emit: bool) -> None:
         self.flush()
@@ -173,7 +200,8 @@ class NoHostTier:
     def flush(self) -> None:
         pass
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> list[HostEntry]:
+    def match(self, block_hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None,
+              token_ids: Sequence[int] | None = None) -> list[HostEntry]:
         return []
 
     def release(self, entries: Sequence[HostEntry]) -> None:

@@ -14,8 +14,9 @@ its blocks until the caller releases them (they are being sent); DECODE admits r
 whose KV arrives from elsewhere (WAITING_FOR_REMOTE_KV) once it has landed.
 
 Admission reuses the longest cached prefix: device blocks first, then the host tier's
-continuation of the hash chain, loaded into fresh blocks before the forward when that is
-estimated faster than recomputing (``engine/kv_cache/host_tier.py``).
+continuation of the hash chain, then the lower tier's (the node's kvstore, staged through host
+slots), loaded into fresh blocks before the forward when that is estimated faster than
+recomputing (``engine/kv_cache/host_tier.py``, ``engine/kv_cache/lower_stage.py``).
 """
 
 from __future__ import annotations
@@ -253,7 +254,10 @@ class Scheduler:
         computed_blocks, num_computed = self.kv_manager.get_computed_blocks(request.block_hashes,
                                                                            request.num_tokens)
         num_lookup = min(max(request.num_tokens - 1, 0) // self.block_size, len(request.block_hashes))
-        host_hits = self.host_tier.match(request.block_hashes[len(computed_blocks):num_lookup])
+        start = len(computed_blocks)
+        host_hits = self.host_tier.match(
+            request.block_hashes[start:num_lookup], request.block_hashes[start - 1] if start else None,
+            request.token_view[start * self.block_size:max(num_lookup, start) * self.block_size])
         return computed_blocks, host_hits, num_computed + len(host_hits) * self.block_size, num_lookup
 
     def _load_host_hits(self, request: Request, num_device_blocks: int, host_hits: list[HostEntry]) -> int:

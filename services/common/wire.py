@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import FileDescriptor
 
+from engine.kv_cache.events import Tier
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion
 from engine.sampling_params import SamplingParams
+from engine.stats import TierStats
 from services.common.pb import generate_pb2, kv_pb2, worker_pb2
 
 if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
@@ -229,3 +231,29 @@ def handshake_from_proto(msg: kv_pb2.KVHandshake) -> KVHandshake:
         region=KVRegion(mem_type=_MEM_NAMES.get(r.mem_type, "DRAM"), base_addr=r.base_addr,
                         device_id=r.device_id, num_blocks=r.num_blocks,
                         block_bytes=r.block_bytes))
+
+
+# ---- prefix-cache tiers in WorkerStats ------------------------------------------------------
+
+_TIER_FIELDS = ("num_blocks", "num_cached_blocks", "num_queried_blocks", "num_hit_blocks", "num_hit_tokens",
+                "num_stored_blocks", "num_evicted_blocks", "num_load_failures", "num_loaded_bytes",
+                "num_offloaded_bytes")
+
+
+def tier_stats_to_proto(tiers: Sequence[TierStats]) -> list[worker_pb2.TierStats]:
+    """``EngineStats.tiers`` as ``WorkerStats.tiers`` (CacheTier values equal ``Tier``'s)."""
+    return [worker_pb2.TierStats(tier=int(t.tier), **{f: getattr(t, f) for f in _TIER_FIELDS}) for t in tiers]
+
+
+def tier_stats_from_proto(tiers: Sequence[worker_pb2.TierStats]) -> list[TierStats]:
+    """``WorkerStats.tiers`` back as ``TierStats``; ValueError for an unknown tier."""
+    out = []
+    for t in tiers:
+        try:
+            tier = Tier(t.tier)
+        except ValueError:
+            raise ValueError(f"WorkerStats.tiers: unknown tier {t.tier}") from None
+        if tier not in (Tier.DEVICE, Tier.HOST, Tier.KVSTORE):
+            raise ValueError(f"WorkerStats.tiers: tier must be one of DEVICE, HOST, KVSTORE, got {t.tier}")
+        out.append(TierStats(tier, *(getattr(t, f) for f in _TIER_FIELDS)))
+    return out

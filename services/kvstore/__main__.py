@@ -2,6 +2,7 @@
 
     pdserve serve kvstore [--host 127.0.0.1] [--port 50081] [--kvstore-gib 1.0]
                           [--transfer nixl|grpc] [--default-lease-ms 5000] [--drain-grace-s 10]
+                          [--redis-url redis://HOST:PORT/0] [--index-heartbeat-s 2]
                           (every flag: PDSERVE_* too)
 
 With ``--transfer nixl`` (the default) each compat's region is registered with a NIXL agent
@@ -39,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight requests may still run")
     add_metrics_argument(parser)
+    add(parser, "--redis-url", default="",
+        help="publish the stored blocks (tier kvstore, worker kvstore@<node>) to the prefix index "
+             "in this Redis, e.g. redis://127.0.0.1:6379/0 (empty: no index)")
+    add(parser, "--index-heartbeat-s", type=float, default=2.0,
+        help="seconds between index lease renewals")
     return parser
 
 
@@ -71,12 +77,17 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = start_metrics_server(args.metrics_port, args.host, registry)
     if metrics is not None:
         print(f"metrics kvstore http://{metrics.address}/metrics", flush=True)
+    if args.redis_url:
+        from services.kvstore.index_publisher import KVStoreIndexPublisher
+        servicer.index = KVStoreIndexPublisher(args.redis_url, store, server.address, args.index_heartbeat_s)
     print(f"listening on {server.address}", flush=True)
     try:
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:
         if metrics is not None:
             metrics.close()
+        if servicer.index is not None:
+            await servicer.index.close()
         if nixl is not None:
             nixl.close()
 

@@ -18,6 +18,7 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KV_WIRE_VERSION, KVHandshake, KVRegion
 from services.common.pb import kv_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
+from services.kvstore.index_publisher import KVStoreIndexPublisher
 from services.kvstore.leases import Lease
 from services.kvstore.nixl_host import NixlHost
 from services.kvstore.store import BlockStore, MissingBlocksError
@@ -35,6 +36,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
         self.agent_name = agent_name
         self._nixl_leases: set[int] = set()
         self._progress_task: asyncio.Task[None] | None = None
+        self.index: KVStoreIndexPublisher | None = None  # the prefix index (--redis-url)
 
     async def Handshake(self, request: kv_pb2.KVHandshake,
                         context: grpc.aio.ServicerContext) -> kv_pb2.KVHandshake:
@@ -51,6 +53,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
             region = self.store.register(remote.compat)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Handshake: {error}")
+        if self.index is not None:
+            await self.index.on_register(region.compat)
         if self.nixl is not None:
             return handshake_to_proto(self.nixl.handshake(region))
         return handshake_to_proto(KVHandshake(compat=region.compat, agent_name=self.agent_name,
@@ -105,6 +109,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
                                         list(header.token_ids), payload)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Put: {error}")
+        if self.index is not None:
+            self.index.flush()
+        else:
+            self.store.take_events()  # nobody reads them: do not let them pile up
         return kvstore_pb2.KVStorePutReply(num_stored=num_stored,
                                            num_skipped=len(hashes) - num_stored)
 

@@ -49,7 +49,7 @@ class BlockStore:
         self._regions: dict[str, BlockRegion] = {}
         self._slots: OrderedDict[BlockKey, int] = OrderedDict()  # LRU first
         self._leases = LeaseTable()
-        self._events: list[KVCacheEvent] = []
+        self._events: list[tuple[str, KVCacheEvent]] = []  # (compat hash, event)
         self.used_bytes = 0
         self._hits = self._misses = self._stored = self._evicted = 0
         self._bytes_in = self._bytes_out = 0
@@ -147,11 +147,11 @@ class BlockStore:
                    start: int, end: int) -> int:
         """Queue one BlockStored for the newly stored run ``[start, end)``; returns -1 (no run)."""
         if 0 <= start < end:
-            self._events.append(BlockStored(
+            self._events.append((compat_hash, BlockStored(
                 block_hashes=list(block_hashes[start:end]),
                 parent_block_hash=parent_hash if start == 0 else block_hashes[start - 1],
                 token_ids=list(token_ids[start * block_size:end * block_size]),
-                block_size=block_size, tier=Tier.KVSTORE))
+                block_size=block_size, tier=Tier.KVSTORE)))
         return -1
 
     def _make_room(self, region: BlockRegion, keep: set[BlockKey]) -> int | None:
@@ -183,8 +183,8 @@ class BlockStore:
             self.used_bytes -= region.block_bytes
             self._evicted += 1
             removed.setdefault(key[0], []).append(key[1])
-        for hashes in removed.values():
-            self._events.append(BlockRemoved(block_hashes=hashes, tier=Tier.KVSTORE))
+        for compat_hash, hashes in removed.items():
+            self._events.append((compat_hash, BlockRemoved(block_hashes=hashes, tier=Tier.KVSTORE)))
 
     # -------------------------------------------------------------- leases
     def acquire(self, compat_hash: str, block_hashes: Sequence[BlockHash],
@@ -226,7 +226,19 @@ class BlockStore:
     def take_events(self) -> list[KVCacheEvent]:
         """The BlockStored / BlockRemoved (tier KVSTORE) queued since the last call, in order."""
         events, self._events = self._events, []
-        return events
+        return [event for _, event in events]
+
+    def take_events_by_compat(self) -> dict[str, list[KVCacheEvent]]:
+        """``take_events``, each compat's events apart (its own prefix-index scope), in order."""
+        by_compat: dict[str, list[KVCacheEvent]] = {}
+        events, self._events = self._events, []
+        for compat_hash, event in events:
+            by_compat.setdefault(compat_hash, []).append(event)
+        return by_compat
+
+    def block_hashes(self, compat_hash: str) -> list[BlockHash]:
+        """Every block of ``compat_hash`` held now, least recently used first (index snapshots)."""
+        return [h for c, h in self._slots if c == compat_hash]
 
     def stats(self) -> StoreStats:
         self._leases.expire(self._clock())

@@ -33,6 +33,7 @@ from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
 from services.index.schema import IndexMetaMismatch
 from services.worker.index_publisher import WorkerIndexPublisher
 from services.worker.request_timer import WorkerMetrics
+from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
 from services.worker.settings import apply_cpu_settings
 from services.worker.stats import PrefixCounters, TransferCounters, WorkerStatsServicer
 
@@ -49,6 +50,7 @@ class WorkerRuntime:
     model_name: str
     engine: AsyncEngine
     metrics: WorkerMetrics  # request timers for the handler; disabled() with --metrics-port -1
+    kvstore: KVStoreTier | None = None  # the engine's lower tier (--kvstore-address)
 
 
 class RoleHandler(abc.ABC):
@@ -84,15 +86,37 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
         config = engine_args.build(loaded.config, role)
         if getattr(args, "redis_url", ""):  # the prefix index follows the cache through its events
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_events=True))
-        return EngineCore(config, loaded)
+        if kvstore is None:
+            return EngineCore(config, loaded)
+        core = EngineCore(config, loaded, lower_tier=kvstore)
+        if len(core.stats().tiers) < 3:  # no host tier: the kvstore has nothing to stage through
+            log.warning("--kvstore-address %s is unused: the host tier is off (--cpu-offload-gb 0 "
+                        "or no prefix caching)", kvstore.config.address)
+        kvstore.start(KVCompat.from_kv_cache(config.model.name, core.kv_cache))
+        return core
 
+    kvstore = kvstore_tier_from(args)
     engine = AsyncEngine()
-    core = await engine.build(make_core)
+    try:
+        core = await engine.build(make_core)
+    except BaseException:
+        if kvstore is not None:
+            kvstore.close()
+        raise
     worker_id = args.worker_id or f"{role.value}-{args.port}"
     model_name = core.config.model.name
     metrics = (WorkerMetrics.disabled() if args.metrics_port == -1 else
                WorkerMetrics.create(engine, model_name, worker_id, role.value))
-    return WorkerRuntime(args, engine_args, role, worker_id, model_name, engine, metrics)
+    return WorkerRuntime(args, engine_args, role, worker_id, model_name, engine, metrics, kvstore)
+
+
+def kvstore_tier_from(args: argparse.Namespace) -> KVStoreTier | None:
+    """The kvstore tier ``--kvstore-address`` names, not started; None without one.
+    Raises ValueError for a bad budget."""
+    address = getattr(args, "kvstore_address", "")
+    if not address:
+        return None
+    return KVStoreTier(KVStoreTierConfig(address, lookup_budget_s=args.kvstore_lookup_ms / 1000))
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
@@ -134,6 +158,8 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
             await index.close()
         await handler.close()
         runtime.engine.stop()
+        if runtime.kvstore is not None:
+            runtime.kvstore.close()
         log.info("%s worker %s stopped", runtime.role.value, runtime.worker_id)
 
 

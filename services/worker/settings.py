@@ -33,6 +33,12 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight RPCs may still run")
     add_metrics_argument(parser)
+    add(parser, "--kvstore-address", default="",
+        help="host:port of the node's kvstore (pdserve serve kvstore): host-tier evictions are "
+             "offered to it and a prefix miss asks it before recomputing (empty: none; needs the "
+             "host tier, --cpu-offload-gb > 0)")
+    add(parser, "--kvstore-lookup-ms", type=float, default=5.0,
+        help="a kvstore lookup not answered within this many ms is a miss")
     add_publisher_arguments(parser)
     add_engine_arguments(parser)
     return parser

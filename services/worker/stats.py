@@ -17,7 +17,7 @@ from engine.kv_transfer.base import KVCompat
 from engine.stats import EngineStats
 from services.common.engine_flags import engine_argv
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.wire import compat_to_proto
+from services.common.wire import compat_to_proto, tier_stats_to_proto
 
 
 @dataclass
@@ -87,4 +87,4 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_outstanding_prefill_tokens=stats.num_outstanding_prefill_tokens,
             transfer_methods=self.transfer_methods, engine_argv=self.engine_argv,
             kv_transfer=self.transfer_counters.to_proto(), kv_compat=self.kv_compat,
-            prefix_cache=self.prefix_counters.to_proto())
+            prefix_cache=self.prefix_counters.to_proto(), tiers=tier_stats_to_proto(stats.tiers))

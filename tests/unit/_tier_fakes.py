@@ -10,15 +10,19 @@ else's tokens.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import HostBlockPool
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.load_cost import LoadCostModel
+from engine.kv_cache.lower_stage import LowerTierStager
+from engine.kv_cache.lower_tier import EvictedBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler.output import RequestOutput, SchedulerOutput
@@ -45,15 +49,58 @@ class FlakyHostTier(HostTier):
         super().copy_to_device(block_ids, slots)
 
 
+class MemoryLowerTier:
+    """A LowerTier in this process's memory, standing in for the node's kvstore in the state
+    machine (the real client against a real store is tested in tests/integration): an LRU of
+    at most ``capacity`` blocks, copied in on ``offer`` and out on ``load``. ``lose`` forgets
+    everything (the store restarted); ``max_load`` caps how many blocks a load writes (a store
+    that dies mid-read)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        self.max_load: int | None = None
+
+    def offer(self, blocks: Sequence[EvictedBlock]) -> None:
+        for block in blocks:
+            self.blocks[block.block_hash] = block.data.clone()
+            self.blocks.move_to_end(block.block_hash)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> int:
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self.blocks:
+            n += 1
+        return n
+
+    def load(self, block_hashes: Sequence[BlockHash], dst: torch.Tensor, dst_slots: Sequence[int]) -> int:
+        limit = len(dst_slots) if self.max_load is None else min(self.max_load, len(dst_slots))
+        for i in range(limit):
+            data = self.blocks.get(block_hashes[i])
+            if data is None:
+                return i
+            dst[dst_slots[i]] = data
+        return limit
+
+    def lose(self) -> None:
+        self.blocks.clear()
+
+
 def make_tier_scheduler(*, num_blocks: int = 4, num_host_blocks: int = 8, block_size: int = 4,
                         max_num_batched_tokens: int = 64, max_num_seqs: int = 4,
-                        max_model_len: int = 64) -> tuple[Scheduler, FlakyHostTier]:
+                        max_model_len: int = 64, lower: MemoryLowerTier | None = None
+                        ) -> tuple[Scheduler, FlakyHostTier]:
     model_config = ModelConfig("fake", vocab_size=1000, hidden_size=8, intermediate_size=16, num_layers=1,
                                num_heads=1, num_kv_heads=1, head_dim=8, max_model_len=max_model_len)
     pool = BlockPool(num_blocks, enable_caching=True, enable_events=True)
     device_cache = torch.full((num_blocks, block_size), -1.0, dtype=torch.float64)
     host_pool = HostBlockPool(num_host_blocks, (block_size,), torch.float64, event_sink=pool.queue_event)
-    tier = FlakyHostTier(host_pool, device_cache, LoadCostModel(block_size))
+    stager = None
+    if lower is not None:
+        stager = LowerTierStager(lower, host_pool, LoadCostModel(block_size))
+        host_pool.set_eviction_listener(stager.offer)
+    tier = FlakyHostTier(host_pool, device_cache, LoadCostModel(block_size), stager)
     tier.failing_slots = set()
     pool.set_eviction_listener(tier.on_device_evict)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, Role.COLOCATED), model_config,

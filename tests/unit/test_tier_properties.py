@@ -1,6 +1,8 @@
-"""No block leaks on either tier: a hypothesis state machine interleaving add, step (which evicts,
-offloads and reloads), abort, finish, failing loads, a cost gate that flips, host loss and
-reset, over the real scheduler, block pool and host tier on a KV tensor of token ids.
+"""No block leaks on any tier: a hypothesis state machine interleaving add, step (which evicts,
+offloads and reloads), abort, finish, failing loads, a cost gate that flips, host loss, reset,
+and (when the machine has one) a lower tier below the host (an in-memory kvstore stand-in) that
+is lost or dies mid-load, over the real scheduler, block pool, host tier and lower-tier stager
+on a KV tensor of token ids.
 
 Checked after every rule: the scheduler's invariants (tests/unit/_scheduler_fakes.py), the host
 pool's integrity at rest (no pin survives a step), both capacities, and that every hash the
@@ -27,7 +29,7 @@ from hypothesis.stateful import (
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from engine.request import Request, RequestStatus
 from tests.unit._scheduler_fakes import check_scheduler, make_request
-from tests.unit._tier_fakes import TierRunner, make_tier_scheduler
+from tests.unit._tier_fakes import MemoryLowerTier, TierRunner, make_tier_scheduler
 
 EOS = 0
 MAX_MODEL_LEN = 32
@@ -42,11 +44,14 @@ prompts = st.lists(st.integers(1, 3), min_size=1, max_size=10)  # few symbols: p
 
 class TierMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(4, 7),
-                num_host_blocks=st.integers(1, 8), budget=st.integers(2, 16), max_num_seqs=st.integers(1, 3))
-    def setup(self, block_size, num_blocks, num_host_blocks, budget, max_num_seqs):
+                num_host_blocks=st.integers(1, 8), budget=st.integers(2, 16), max_num_seqs=st.integers(1, 3),
+                lower_capacity=st.sampled_from([0, 3, 16]))
+    def setup(self, block_size, num_blocks, num_host_blocks, budget, max_num_seqs, lower_capacity):
+        self.lower = MemoryLowerTier(lower_capacity) if lower_capacity else None
         self.scheduler, self.tier = make_tier_scheduler(
             num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=block_size,
-            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
+            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+            lower=self.lower)
         self.runner = TierRunner(self.scheduler, self.tier, fake_token)
         self.ids = 0
         self.on_host: set[bytes] = set()  # replayed from the events
@@ -116,11 +121,26 @@ class TierMachine(RuleBasedStateMachine):
     def cost(self, slow):
         cost = self.tier.cost
         cost.load_us_per_block = cost.recompute_us_per_block * (10 if slow else 0.01)
+        if self.tier.lower is not None:
+            lower_cost = self.tier.lower.cost
+            lower_cost.load_us_per_block = lower_cost.recompute_us_per_block * (10 if slow else 0.01)
 
     @rule()
     def lose_host(self):
         """The host tier is dropped (as a reset of that tier alone would)."""
         self.tier.clear(emit=True)
+
+    @precondition(lambda self: self.lower is not None)
+    @rule()
+    def lose_kvstore(self):
+        """The kvstore restarted: every block below the host is gone (a miss, then recompute)."""
+        self.lower.lose()
+
+    @precondition(lambda self: self.lower is not None)
+    @rule(max_load=st.one_of(st.none(), st.integers(0, 2)))
+    def kvstore_dies_mid_load(self, max_load):
+        """Loads from the kvstore stop after ``max_load`` blocks (None: heal)."""
+        self.lower.max_load = max_load
 
     @rule()
     def reset(self):
@@ -135,6 +155,8 @@ class TierMachine(RuleBasedStateMachine):
         self.tier.check_integrity()
         host = self.tier.host_pool
         assert host.num_cached_blocks <= host.num_blocks
+        if self.lower is not None:
+            assert len(self.lower.blocks) <= self.lower.capacity
         for event in self.scheduler.kv_manager.take_events():
             if isinstance(event, BlockStored) and event.tier == Tier.HOST:
                 assert not set(event.block_hashes) & self.on_host, "stored twice on the host"
