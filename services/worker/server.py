@@ -32,8 +32,8 @@ from services.common.pb import worker_pb2_grpc
 from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
 from services.index.schema import IndexMetaMismatch
 from services.worker.index_publisher import WorkerIndexPublisher
-from services.worker.request_timer import WorkerMetrics
 from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
+from services.worker.request_timer import WorkerMetrics
 from services.worker.settings import apply_cpu_settings
 from services.worker.stats import PrefixCounters, TransferCounters, WorkerStatsServicer
 
