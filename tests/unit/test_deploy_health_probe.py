@@ -28,8 +28,11 @@ def kvstore() -> Iterator[str]:
                             stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # "listening on ..." once SERVING (or an error)
-        assert "listening on" in line, line + proc.stdout.read()
+        # "listening on ..." once SERVING, after other start lines (the metrics address); EOF on error
+        seen = [proc.stdout.readline() for _ in range(1)]
+        while seen[-1] and "listening on" not in seen[-1] and len(seen) < 20:
+            seen.append(proc.stdout.readline())
+        assert "listening on" in seen[-1], "".join(seen)
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()
