@@ -25,6 +25,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.mathutils import cdiv
 from engine.models.loader import load_model
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from loadtests.bench_engine import memcpy_bandwidth, torch_threads
@@ -74,7 +75,7 @@ GREEDY_TOKENS = 32
 def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Log-probabilities [len(ids) - 1, vocab] of each next token given the ones before."""
     runner = llm.engine.runner
-    num_blocks = -(-len(ids) // runner.block_size)
+    num_blocks = cdiv(len(ids), runner.block_size)
     model_input = build_model_input([ScheduledSeq(ids, 0, list(range(num_blocks)), num_logits=len(ids))],
                                     runner.block_size)
     hidden = runner.model.forward(model_input.input_ids, model_input.positions, model_input.attn,
