@@ -32,6 +32,7 @@ from services.common.pb import generate_pb2, kv_pb2, worker_pb2
 
 if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
     from engine.sampling.logprobs import PositionLogprobs
+    from engine.scheduler.output import RequestOutput
 
 
 def _service(file_descriptor: FileDescriptor, name: str) -> str:
@@ -257,3 +258,14 @@ def tier_stats_from_proto(tiers: Sequence[worker_pb2.TierStats]) -> list[TierSta
             raise ValueError(f"WorkerStats.tiers: tier must be one of DEVICE, HOST, KVSTORE, got {t.tier}")
         out.append(TierStats(tier, *(getattr(t, f) for f in _TIER_FIELDS)))
     return out
+
+
+def decode_response(request_id: str, output: RequestOutput) -> worker_pb2.DecodeResponse:
+    """One engine output of a decode worker's request as the DecodeResponse the router reads."""
+    response = worker_pb2.DecodeResponse(
+        request_id=request_id, token_ids=output.new_token_ids,
+        logprobs=logprobs_list_to_proto(output.new_logprobs),
+        finish_reason=finish_to_proto(output.finish_reason))
+    if isinstance(output.stop_reason, int):
+        response.stop_token_id = output.stop_reason
+    return response

@@ -20,7 +20,7 @@ import grpc
 
 from services.common.async_engine import AsyncEngine, EngineDead
 from services.common.pb import worker_pb2
-from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
+from services.common.wire import decode_response, params_from_proto
 from services.worker.stats import PrefixCounters
 
 
@@ -60,12 +60,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
         while not finished:
             output = await engine.next_output(queue)
             finished = output.finished
-            response = worker_pb2.DecodeResponse(
-                request_id=request_id, token_ids=output.new_token_ids,
-                logprobs=logprobs_list_to_proto(output.new_logprobs),
-                finish_reason=finish_to_proto(output.finish_reason))
-            if isinstance(output.stop_reason, int):
-                response.stop_token_id = output.stop_reason
+            response = decode_response(request_id, output)
             if is_first and (output.new_token_ids or finished):
                 response.num_cached_prompt_tokens = output.num_cached_tokens
                 counters.add(len(prompt), output.num_cached_tokens)

@@ -38,8 +38,7 @@ from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
     KV_SERVICE_NAME,
-    finish_to_proto,
-    logprobs_list_to_proto,
+    decode_response,
     params_from_proto,
 )
 from services.decode.generate_local import generate_local
@@ -194,12 +193,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 timer.on_output(len(output.new_token_ids))
                 if finished:
                     timer.on_finished(output.finish_reason)
-                response = worker_pb2.DecodeResponse(
-                    request_id=request_id, token_ids=output.new_token_ids,
-                    logprobs=logprobs_list_to_proto(output.new_logprobs),
-                    finish_reason=finish_to_proto(output.finish_reason))
-                if isinstance(output.stop_reason, int):
-                    response.stop_token_id = output.stop_reason
+                response = decode_response(request_id, output)
                 await context.write(response)
         except EngineDead as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
