@@ -1,6 +1,7 @@
 """KV-aware versus load-only routing on a multi-tenant workload, in one run.
 
-    pdserve bench routing [--requests 64] [--rate 0.4] [--num-kv-blocks 320] [--json PATH]
+    pdserve bench routing [--requests 64] [--rate 0.4] [--num-kv-blocks 320]
+                          [--prefill-kv-blocks N] [--decode-kv-blocks N] [--json PATH]
 
 Starts an embedded redis-server and 2 prefill + 2 decode workers (``--transfer grpc``, one
 thread each, all publishing to the prefix index), then drives the same workload twice through
@@ -87,9 +88,12 @@ def workload(num_requests: int, rate: float, seed: int = 7) -> list[tuple[float,
     return out
 
 
-def start_workers(redis_url: str, log_dir: Path, num_blocks: int) -> list[tuple[subprocess.Popen, str]]:
+def start_workers(redis_url: str, log_dir: Path,
+                  blocks: dict[str, int]) -> list[tuple[subprocess.Popen, str]]:
+    """2 prefill then 2 decode workers; ``blocks``: KV blocks per worker of each role."""
     procs = []
     for role in ("prefill", "prefill", "decode", "decode"):
+        num_blocks = blocks[role]
         port = free_port()
         argv = [sys.executable, "-m", "services.cli", "serve", role, "--port", str(port),
                 "--worker-id", f"{role}-{port}", "--transfer", "grpc", "--num-threads", "1",
@@ -179,7 +183,8 @@ async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
     requests = workload(args.requests, args.rate)
     results: dict[str, PhaseResult] = {}
     with EmbeddedRedis.start() as redis_server, tempfile.TemporaryDirectory() as log_dir:
-        procs = start_workers(redis_server.url, Path(log_dir), args.num_kv_blocks)
+        procs = start_workers(redis_server.url, Path(log_dir),
+                              {"prefill": args.prefill_kv_blocks, "decode": args.decode_kv_blocks})
         try:
             await wait_serving(procs)
             prefill = [a for _, a in procs[:2]]
@@ -215,14 +220,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=0.4, help="Poisson arrivals per second")
     parser.add_argument("--num-kv-blocks", type=int, default=320,
                         help="KV blocks per worker (320 x 16 tokens: about 5 tenants' prompts)")
+    parser.add_argument("--prefill-kv-blocks", type=int, default=0,
+                        help="KV blocks per prefill worker (0: --num-kv-blocks)")
+    parser.add_argument("--decode-kv-blocks", type=int, default=0,
+                        help="KV blocks per decode worker (0: --num-kv-blocks)")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
-    if args.requests <= 0 or args.rate <= 0 or args.num_kv_blocks <= 0:
-        parser.error("--requests, --rate and --num-kv-blocks must be positive")
+    args.prefill_kv_blocks = args.prefill_kv_blocks or args.num_kv_blocks
+    args.decode_kv_blocks = args.decode_kv_blocks or args.num_kv_blocks
+    if min(args.requests, args.rate, args.prefill_kv_blocks, args.decode_kv_blocks) <= 0:
+        parser.error("--requests, --rate and the KV block counts must be positive")
     results = asyncio.run(bench(args))
     print(f"{NUM_TENANTS} tenants x {SYSTEM_TOKENS}-token system prompt, {args.requests} requests "
           f"per phase at {args.rate:g}/s (Poisson), 2 prefill + 2 decode, "
-          f"{args.num_kv_blocks} KV blocks each; load average {os.getloadavg()[0]:.2f}")
+          f"{args.prefill_kv_blocks}/{args.decode_kv_blocks} KV blocks per prefill/decode worker; "
+          f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'routing':10s} {'hit rate':>8s} {'TTFT p50 ms':>11s} {'TTFT p99 ms':>11s} "
           f"{'fail':>4s} {'decide p50/p99 ms':>17s} {'solo p50/p99 ms':>15s}  routes")
     for mode, r in results.items():

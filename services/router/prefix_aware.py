@@ -71,7 +71,10 @@ class PrefixAwarePolicy(LoadPolicy):
                        for role in ("prefill", "decode")}
         self._own: dict[str, int] = {}  # worker id -> this router's reservations there
         self._reserved: dict[str, list[str]] = {}  # request id -> worker ids reserved
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefix-index")
+        # Lookups get a thread of their own: the background reservation writes (two per request,
+        # never awaited) must not queue in front of the lookup a request is waiting on.
+        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-lookup")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-reserve")
 
     def configure(self, compat: KVCompat) -> None:
         """Open the index for a model with this KV compatibility. Raises IndexMetaMismatch when
@@ -105,7 +108,7 @@ class PrefixAwarePolicy(LoadPolicy):
         if self.index is not None:
             hashes = self.block_hashes(prompt, params)
             matches = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.index.match, hashes)
+                self._lookups, self.index.match, hashes)
         found = matches or {}
         decode_cands = self.recent["decode"].with_predictions(
             [decode_candidate(w, found.get(w.worker_id), self._others(found, w.worker_id))
@@ -150,6 +153,7 @@ class PrefixAwarePolicy(LoadPolicy):
                 self._executor.submit(self.index.release, wid, request_id)
 
     def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.index is not None:
             self.index.close()
