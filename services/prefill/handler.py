@@ -50,6 +50,7 @@ from services.common.wire import (
     logprobs_to_proto,
     params_from_proto,
     transfer_methods,
+    ttft_stages_to_proto,
 )
 from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
@@ -156,9 +157,12 @@ class _PrefillJob:
     async def run(self):
         started = time.monotonic()
         # max_tokens == 1: the first token ends the request, no decode worker is involved.
+        stages: dict[str, float] = {}  # this worker's TTFT stages (FirstToken.stages), seconds
         if self.params.max_tokens != 1:
-            yield worker_pb2.PrefillResponse(request_id=self.request_id,
-                                             reservation=await self._reserve())
+            reservation = await self._reserve()
+            stages["decode_admit"] = time.monotonic() - started
+            yield worker_pb2.PrefillResponse(request_id=self.request_id, reservation=reservation)
+        queued_at = time.monotonic()
         try:
             queue = self.engine.subscribe(self.request_id)
         except ValueError as exc:
@@ -171,7 +175,10 @@ class _PrefillJob:
         except ValueError as exc:
             raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
         self.timer.on_scheduled()
+        taken_at = time.monotonic()
+        push_s = 0.0  # pushing chunks before the first token: the transfer's share of TTFT
         ends_request = False
+        first_token_at: float | None = None
         while True:
             output = await self._next_output(queue)
             self.timer.on_output(len(output.new_token_ids))
@@ -193,10 +200,19 @@ class _PrefillJob:
                 if stop_token_id is not None:
                     first.stop_token_id = stop_token_id
                 first_token_at = time.monotonic()
+                stages["prefill_queue"] = taken_at - queued_at
+                stages["prefill_compute"] = first_token_at - taken_at - push_s
+                if self.transfer is not None:
+                    stages["kv_transfer"] = push_s
+                first.stages.CopyFrom(ttft_stages_to_proto(stages))
                 self.worker.prefix_counters.add(len(self.prompt), output.num_cached_tokens)
                 yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
             if self.transfer is not None and not ends_request:
-                if await self._push(output.num_computed_tokens):
+                push_started = time.monotonic()
+                has_progress = await self._push(output.num_computed_tokens)
+                if first_token_at is None:
+                    push_s += time.monotonic() - push_started
+                if has_progress:
                     yield self._progress()
             if output.finished:
                 break

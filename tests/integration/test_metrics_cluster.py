@@ -166,6 +166,14 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     assert value(r, "pdserve_ttft_stage_seconds_count", stage="router_queue") == num_streams
     assert (value(r, "pdserve_ttft_stage_seconds_sum", stage="router_queue")
             <= value(r, "dynamo_frontend_request_duration_seconds_sum"))
+    # the workers' stages come back with each first token: one per stream, and together no
+    # longer than the TTFTs they are part of (the rest is the network and the router)
+    worker_stages = ("decode_admit", "prefill_queue", "prefill_compute", "kv_transfer")
+    for stage in worker_stages:
+        assert value(r, "pdserve_ttft_stage_seconds_count", stage=stage) == num_streams, stage
+    assert (sum(value(r, "pdserve_ttft_stage_seconds_sum", stage=stage) for stage in worker_stages)
+            <= value(r, "dynamo_frontend_time_to_first_token_seconds_sum"))
+    assert value(r, "pdserve_route_decisions_total", path="remote", reason="load") == num_streams
 
     p, d = scraped["prefill"], scraped["decode"]
     # prefill computed every prompt and hit the prefix once; the cancelled stream counts if its
