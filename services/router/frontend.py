@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
 from services.router.metrics import RouterMetrics
 from services.router.model_info import ModelInfo
+from services.router.ttft_breakdown import TTFT_HEADER, format_breakdown
 
 
 class InvalidRequest(ValueError):
@@ -290,6 +291,13 @@ def _param_of(message: str) -> str | None:
 
 
 ROUTE_HEADER = "pdserve-route"  # HTTP header / gRPC trailing metadata in debug mode: path/reason
+
+
+def debug_headers(generation: Generation) -> tuple[tuple[str, str], ...]:
+    """Debug mode's answer for a started request: its route (``path/reason``) and its TTFT
+    breakdown (services/router/ttft_breakdown.py), as HTTP headers / gRPC trailing metadata."""
+    headers = ((ROUTE_HEADER, generation.route),) if generation.route else ()
+    return (*headers, (TTFT_HEADER, format_breakdown(generation.ttft_stages)))
 
 
 @dataclass

@@ -13,6 +13,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from services.router.ttft_breakdown import TTFT_HEADER, parse_breakdown
 from tests.integration.cluster_fixtures import (
     free_port,
     start_kvstore,
@@ -52,7 +55,7 @@ def cluster(tmp_path_factory):
                           "--spec-method", "ngram", "--spec-k", "3", transfer="grpc")
     kvstore = start_kvstore(log_dir, "--metrics-port", str(free_port()), "--kvstore-gib", "0.05",
                             transfer="grpc")
-    router = start_router(log_dir, [prefill], [decode], "grpc")
+    router = start_router(log_dir, [prefill], [decode], "grpc", "--debug-route")
     processes = [prefill, decode, kvstore, router]
     try:
         wait_serving(processes, timeout_s=400.0)  # the shared 2-core box can be slow to load
@@ -129,6 +132,27 @@ def _cancelled_stream(port: str, prompt: list[int]) -> None:
         if reply.readline().startswith(b"data: {"):
             break
     connection.close()
+
+
+def _debug_breakdown(port: str, prompt: list[int]) -> dict:
+    """A request to the --debug-route router: the TTFT breakdown header it answers."""
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        reply.read()
+        return parse_breakdown(reply.headers[TTFT_HEADER])
+
+
+def _generate_with_timings(address: str) -> None:
+    """``pdserve generate --timings`` prints each stage and the TTFT (a real client process)."""
+    done = subprocess.run([sys.executable, "-m", "services.cli", "generate", "a b c", "--address", address,
+                           "--max-tokens", "3", "--temperature", "0", "--timings"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, done.stderr
+    for name in ("TTFT breakdown (route remote/load)", "prefill_compute", "decode_admit", "network and router"):
+        assert name in done.stderr, done.stderr
 
 
 def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
@@ -213,3 +237,9 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
         NAMES_FILE.write_text("\n".join(sorted(n for n in names if n.startswith(("vllm:", "dynamo_", "pdserve_"))
                                                     and not n.endswith("_created")))
                               + "\n")
+
+    # debug mode (after the scrape, whose counts it would change): the breakdown per request
+    stages = _debug_breakdown(http_port, PROMPTS[2])
+    assert {"router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admit"} <= set(stages)
+    assert sum(s for n, s in stages.items() if n not in ("ttft", "router_queue")) <= stages["ttft"]
+    _generate_with_timings(router.address)
