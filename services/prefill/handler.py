@@ -152,6 +152,7 @@ class _PrefillJob:
         # cancelled while waiting for it, so cleanup waits for it before dropping the request.
         self.adding: asyncio.Future | None = None
         self.subscribed = self.handed_off = False
+        self.transfer_started_at: float | None = None  # the first chunk push (transfer metrics)
         self.timer = worker.runtime.metrics.request()
 
     async def run(self):
@@ -209,6 +210,8 @@ class _PrefillJob:
                 yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
             if self.transfer is not None and not ends_request:
                 push_started = time.monotonic()
+                if self.transfer_started_at is None:
+                    self.transfer_started_at = push_started
                 has_progress = await self._push(output.num_computed_tokens)
                 if first_token_at is None:
                     push_s += time.monotonic() - push_started
@@ -227,6 +230,9 @@ class _PrefillJob:
         except TransferFailed as exc:
             self._fail_transfer(exc)
         self.handed_off = True
+        self.worker.runtime.metrics.transfer.done(
+            METHOD_NAMES[self.method], time.monotonic() - (self.transfer_started_at or time.monotonic()),
+            self.transfer.num_blocks_sent * self.worker.block_bytes)
         log.debug("request %s: %d prompt tokens, first token after %.3f s, %d blocks pushed "
                   "(%s) %.3f s later", self.request_id, len(self.prompt), first_token_at - started,
                   self.transfer.num_blocks_total, METHOD_NAMES[self.method],
@@ -302,6 +308,7 @@ class _PrefillJob:
             self._fail_transfer(exc)
 
     def _fail_transfer(self, exc: TransferFailed) -> None:
+        self.worker.runtime.metrics.transfer.failed(METHOD_NAMES[self.method])
         self.peer.forget(self.method)
         log.warning("request %s: %s", self.request_id, exc)
         raise PrefillAbort(grpc.StatusCode.UNAVAILABLE,
@@ -344,6 +351,7 @@ class _PrefillJob:
         counters.num_blocks_sent += transfer.num_blocks_sent
         counters.num_bytes_sent += transfer.num_blocks_sent * self.worker.block_bytes
         counters.num_blocks_skipped_cached += transfer.num_cached_blocks
+        counters.num_bytes_skipped_cached += transfer.num_cached_blocks * self.worker.block_bytes
 
     async def _was_added(self) -> bool:
         """Wait (one engine step at most) until add_request was applied; did it succeed?"""

@@ -211,6 +211,11 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     assert value(p, "vllm:prefix_cache_hits_total") >= 48
     assert value(p, "vllm:prefix_cache_queries_total") >= value(p, "vllm:prefix_cache_hits_total")
     assert value(p, "pdserve_kv_transfer_blocks_total", kind="full") > 0
+    # one transfer per request handed to the decode worker (the cancelled one: if it got that far)
+    assert num_ok <= value(p, "pdserve_kv_transfer_seconds_count", transport="grpc") <= num_streams
+    assert value(p, "pdserve_kv_transfer_failures_total") == 0
+    assert ((value(p, "pdserve_kv_transfer_bytes_saved_total") > 0)
+            == (value(p, "pdserve_kv_transfer_blocks_total", kind="delta") > 0))
     # decode generated every token after the first of the finished requests
     assert value(d, "vllm:request_success_total", finished_reason="length") == num_ok
     assert value(d, "vllm:generation_tokens_total") == sum(u["completion_tokens"] - 1 for u in usages)

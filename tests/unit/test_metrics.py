@@ -138,3 +138,31 @@ def test_route_decisions_and_worker_stages_reach_the_router_metrics():
     assert ttft_stages_from_proto(ttft_stages_to_proto(stages)) == stages
     with pytest.raises(ValueError, match="router_queue"):
         ttft_stages_to_proto({"router_queue": 0.1})
+
+
+def test_transfer_metrics_per_transport_and_the_nixl_names():
+    from prometheus_client import CollectorRegistry
+
+    from services.worker.metrics import LABELS
+    from services.worker.transfer_metrics import TransferMetrics
+
+    registry = CollectorRegistry()
+    labels = ("m", "0", "prefill", "p0")
+    metrics = TransferMetrics.create(registry, LABELS, labels)
+    worker = tuple(zip(LABELS, labels))
+    s = samples(registry)
+    for transport in ("nixl", "grpc"):  # zero series before the first transfer
+        assert s[("pdserve_kv_transfer_seconds_count", tuple(sorted((*worker, ("transport", transport)))))] == 0
+    metrics.done("grpc", 0.02, 4096)
+    metrics.done("nixl", 0.01, 8192)
+    metrics.failed("nixl")
+    with pytest.raises(ValueError, match="ucx"):
+        metrics.done("ucx", 0.1, 1)
+    s = samples(registry)
+    key = tuple(sorted(worker))
+    assert s[("pdserve_kv_transfer_seconds_count", tuple(sorted((*worker, ("transport", "grpc")))))] == 1
+    assert s[("pdserve_kv_transfer_failures_total", tuple(sorted((*worker, ("transport", "nixl")))))] == 1
+    assert s[("vllm:nixl_xfer_time_seconds_count", key)] == 1  # nixl only, as vLLM
+    assert s[("vllm:nixl_bytes_transferred_sum", key)] == 8192
+    assert s[("vllm:nixl_num_failed_transfers_total", key)] == 1
+    TransferMetrics.disabled().done("grpc", 0.1, 1)  # metrics off: records nothing, no error
