@@ -269,3 +269,24 @@ def decode_response(request_id: str, output: RequestOutput) -> worker_pb2.Decode
     if isinstance(output.stop_reason, int):
         response.stop_token_id = output.stop_reason
     return response
+
+
+# ---- TTFT stages (pdserve_ttft_stage_seconds) -----------------------------------------------
+
+# stage name (services/router/metrics.py STAGES) <-> TtftStages field: the worker's stages
+TTFT_STAGE_FIELDS = {"decode_admit": "decode_admit_s", "prefill_queue": "prefill_queue_s",
+                     "prefill_compute": "prefill_compute_s", "kv_transfer": "kv_transfer_s"}
+
+
+def ttft_stages_to_proto(stages: dict[str, float]) -> worker_pb2.TtftStages:
+    """``{stage: seconds}`` of the stages a request passed on a worker; ValueError for a stage
+    a worker does not time."""
+    unknown = set(stages) - TTFT_STAGE_FIELDS.keys()
+    if unknown:
+        raise ValueError(f"TtftStages: {sorted(unknown)} are not worker stages {sorted(TTFT_STAGE_FIELDS)}")
+    return worker_pb2.TtftStages(**{TTFT_STAGE_FIELDS[s]: max(v, 0.0) for s, v in stages.items()})
+
+
+def ttft_stages_from_proto(msg: worker_pb2.TtftStages) -> dict[str, float]:
+    """The stages set in ``msg`` (an unset field: a stage the request did not pass)."""
+    return {stage: getattr(msg, f) for stage, f in TTFT_STAGE_FIELDS.items() if msg.HasField(f)}

@@ -4,7 +4,8 @@ The router's conditional disaggregation sends a request here when the part of it
 worker has not cached is short (or it holds most of the prompt and has room): computing that
 part locally is cheaper than a remote prefill plus a KV transfer. The DECODE-role engine admits
 such a request like a colocated one. The stream is ``DecodeResponse``s, the first carrying the
-first token and ``num_cached_prompt_tokens``; the last has a finish reason.
+first token, ``num_cached_prompt_tokens`` and its TTFT stages (queue, compute); the last has a
+finish reason.
 
 Bad input (empty id, bad params, n > 1, a prompt that cannot fit) is INVALID_ARGUMENT before
 any response; a duplicate id ALREADY_EXISTS. A cancelled call aborts the request in the engine,
@@ -15,12 +16,13 @@ the cleanup at once.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
 from services.common.async_engine import AsyncEngine, EngineDead
 from services.common.pb import worker_pb2
-from services.common.wire import decode_response, params_from_proto
+from services.common.wire import decode_response, params_from_proto, ttft_stages_to_proto
 from services.worker.stats import PrefixCounters
 
 
@@ -28,6 +30,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
                          request: worker_pb2.GenerateLocalRequest,
                          context: grpc.aio.ServicerContext) -> None:
     """Serve one Generate call (module docstring)."""
+    arrived_at = time.monotonic()
     request_id = request.request_id
     prompt = list(request.prompt_token_ids)
     if not request_id:
@@ -56,6 +59,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
             await asyncio.shield(adding)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Generate: {exc}")
+        taken_at = time.monotonic()
         is_first = True
         while not finished:
             output = await engine.next_output(queue)
@@ -63,6 +67,9 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
             response = decode_response(request_id, output)
             if is_first and (output.new_token_ids or finished):
                 response.num_cached_prompt_tokens = output.num_cached_tokens
+                response.stages.CopyFrom(ttft_stages_to_proto({
+                    "prefill_queue": taken_at - arrived_at,
+                    "prefill_compute": time.monotonic() - taken_at}))
                 counters.add(len(prompt), output.num_cached_tokens)
                 is_first = False
             await context.write(response)

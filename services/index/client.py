@@ -10,7 +10,8 @@ The first successful lookup (and the first after each outage) reads the index's 
 hash settings than this router's make ``match`` return None with reason ``meta_mismatch`` and log
 an error, never a silent 0 % hit rate. ``check_meta`` raises the same mismatch for a startup
 check. Calls are synchronous and bounded by the budget; an asyncio caller may run them in a
-thread. Fallbacks are counted by reason in ``fallbacks`` (metric ``pdserve_index_fallback_total``).
+thread. Fallbacks are counted by reason in ``fallbacks`` and told to ``on_fallback(reason)`` when set
+(metric ``pdserve_index_fallback_total``; called on the calling thread).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class IndexClient:
         self._meta_ok = False
         self.meta_error: IndexMetaMismatch | None = None
         self.fallbacks: dict[str, int] = {}
+        self.on_fallback: Callable[[str], None] | None = None
         self.last_lookup_s = 0.0
 
     @property
@@ -102,6 +104,8 @@ class IndexClient:
     def _count_fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if self.on_fallback is not None:
+            self.on_fallback(reason)
 
     def reserve(self, worker_id: str, request_id: str) -> int | None:
         """Count ``request_id`` in flight on ``worker_id`` for every router (expires after

@@ -18,6 +18,10 @@ the worker re-register and snapshot, so the index is rebuilt within two heartbea
 ``janitor_interval_s`` one publisher of the deployment (a lock in Redis decides) removes the
 entries of workers whose lease lapsed. Redis errors are logged and retried with backoff; at
 rest the thread sleeps until the next heartbeat.
+
+``counts`` (read by the worker's metrics): apply answers (``ok``, ``dup``, ``gap``, ``fenced``),
+``register``, ``overflow``, ``error``, ``snapshot_<status>``, and ``resync_<reason>`` for every
+snapshot the index took, by why it was sent (``RESYNC_REASONS``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from services.index.scripts import ApplyOp, IndexScripts
 
 logger = logging.getLogger(__name__)
 
+# why a snapshot was sent: first registration, a GAP answer, re-registration after FENCED, the
+# queue overflowed, the caller asked, or a failed snapshot is retried
+RESYNC_REASONS = ("start", "gap", "fenced", "overflow", "requested", "retry")
 Holdings = Callable[[], Mapping[BlockHash, int]]
 LoadFn = Callable[[], Mapping[str, str | int | float]]
 
@@ -80,6 +87,7 @@ class IndexPublisher:
         self._thread = threading.Thread(target=self._run, name=f"index-publisher-{worker.worker_id}",
                                         daemon=True)
         self.counts: dict[str, int] = {}
+        self._resync_reason = "start"  # of the pending snapshot (RESYNC_REASONS)
 
     # ---- caller side -------------------------------------------------------------------------
 
@@ -106,6 +114,7 @@ class IndexPublisher:
                 self._next_seq += len(ops)
                 self._queue.clear()
                 self._needs_snapshot = True
+                self._resync_reason = "overflow"
                 self._count("overflow")
             else:
                 if not self._queue:
@@ -115,10 +124,11 @@ class IndexPublisher:
                     self._next_seq += 1
             self._cond.notify()
 
-    def request_snapshot(self) -> None:
+    def request_snapshot(self, reason: str = "requested") -> None:
         """Resend the full holdings (e.g. after the caller lost events)."""
         with self._cond:
             self._needs_snapshot = True
+            self._resync_reason = reason
             self._cond.notify()
 
     @property
@@ -217,6 +227,7 @@ class IndexPublisher:
             seq_at = self._next_seq - 1
             self._queue.clear()
             self._needs_snapshot = False
+            reason = self._resync_reason
         try:
             holdings = self._holdings()
             status = self._scripts.snapshot(
@@ -224,19 +235,22 @@ class IndexPublisher:
                 ((h.hex(), int(mask)) for h, mask in holdings.items()),
                 self.config.snapshot_chunk_blocks)
         except BaseException:
-            self.request_snapshot()
+            self.request_snapshot("retry")
             raise
         self._count(f"snapshot_{status.lower()}")
+        if status == "OK":
+            self._count(f"resync_{reason}")
         if status == "FENCED":
             self._fenced()
         elif status != "OK":  # STALE: another writer of this epoch; retry after a backoff
-            self.request_snapshot()
+            self.request_snapshot("retry")
             raise RuntimeError(f"prefix index snapshot of {self.worker.worker_id} was {status}")
 
     def _set_flags(self, register: bool) -> None:
         with self._cond:
             self._needs_register = self._needs_register or register
             self._needs_snapshot = True
+            self._resync_reason = "fenced" if register else "gap"
 
     def _flush(self) -> None:
         for _ in range(self.config.max_queue_ops // self.config.max_batch_ops + 1):

@@ -50,6 +50,7 @@ from services.common.wire import (
     logprobs_to_proto,
     params_from_proto,
     transfer_methods,
+    ttft_stages_to_proto,
 )
 from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
@@ -151,14 +152,18 @@ class _PrefillJob:
         # cancelled while waiting for it, so cleanup waits for it before dropping the request.
         self.adding: asyncio.Future | None = None
         self.subscribed = self.handed_off = False
+        self.transfer_started_at: float | None = None  # the first chunk push (transfer metrics)
         self.timer = worker.runtime.metrics.request()
 
     async def run(self):
         started = time.monotonic()
         # max_tokens == 1: the first token ends the request, no decode worker is involved.
+        stages: dict[str, float] = {}  # this worker's TTFT stages (FirstToken.stages), seconds
         if self.params.max_tokens != 1:
-            yield worker_pb2.PrefillResponse(request_id=self.request_id,
-                                             reservation=await self._reserve())
+            reservation = await self._reserve()
+            stages["decode_admit"] = time.monotonic() - started
+            yield worker_pb2.PrefillResponse(request_id=self.request_id, reservation=reservation)
+        queued_at = time.monotonic()
         try:
             queue = self.engine.subscribe(self.request_id)
         except ValueError as exc:
@@ -171,7 +176,10 @@ class _PrefillJob:
         except ValueError as exc:
             raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
         self.timer.on_scheduled()
+        taken_at = time.monotonic()
+        push_s = 0.0  # pushing chunks before the first token: the transfer's share of TTFT
         ends_request = False
+        first_token_at: float | None = None
         while True:
             output = await self._next_output(queue)
             self.timer.on_output(len(output.new_token_ids))
@@ -193,10 +201,21 @@ class _PrefillJob:
                 if stop_token_id is not None:
                     first.stop_token_id = stop_token_id
                 first_token_at = time.monotonic()
+                stages["prefill_queue"] = taken_at - queued_at
+                stages["prefill_compute"] = first_token_at - taken_at - push_s
+                if self.transfer is not None:
+                    stages["kv_transfer"] = push_s
+                first.stages.CopyFrom(ttft_stages_to_proto(stages))
                 self.worker.prefix_counters.add(len(self.prompt), output.num_cached_tokens)
                 yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
             if self.transfer is not None and not ends_request:
-                if await self._push(output.num_computed_tokens):
+                push_started = time.monotonic()
+                if self.transfer_started_at is None:
+                    self.transfer_started_at = push_started
+                has_progress = await self._push(output.num_computed_tokens)
+                if first_token_at is None:
+                    push_s += time.monotonic() - push_started
+                if has_progress:
                     yield self._progress()
             if output.finished:
                 break
@@ -211,6 +230,9 @@ class _PrefillJob:
         except TransferFailed as exc:
             self._fail_transfer(exc)
         self.handed_off = True
+        self.worker.runtime.metrics.transfer.done(
+            METHOD_NAMES[self.method], time.monotonic() - (self.transfer_started_at or time.monotonic()),
+            self.transfer.num_blocks_sent * self.worker.block_bytes)
         log.debug("request %s: %d prompt tokens, first token after %.3f s, %d blocks pushed "
                   "(%s) %.3f s later", self.request_id, len(self.prompt), first_token_at - started,
                   self.transfer.num_blocks_total, METHOD_NAMES[self.method],
@@ -286,6 +308,7 @@ class _PrefillJob:
             self._fail_transfer(exc)
 
     def _fail_transfer(self, exc: TransferFailed) -> None:
+        self.worker.runtime.metrics.transfer.failed(METHOD_NAMES[self.method])
         self.peer.forget(self.method)
         log.warning("request %s: %s", self.request_id, exc)
         raise PrefillAbort(grpc.StatusCode.UNAVAILABLE,
@@ -328,6 +351,7 @@ class _PrefillJob:
         counters.num_blocks_sent += transfer.num_blocks_sent
         counters.num_bytes_sent += transfer.num_blocks_sent * self.worker.block_bytes
         counters.num_blocks_skipped_cached += transfer.num_cached_blocks
+        counters.num_bytes_skipped_cached += transfer.num_cached_blocks * self.worker.block_bytes
 
     async def _was_added(self) -> bool:
         """Wait (one engine step at most) until add_request was applied; did it succeed?"""

@@ -45,8 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="with --redis-url: prefill on the decode worker itself when the part of "
                           "the prompt it has not cached is at most this many tokens (0: never)")
     add_env_argument(parser, "--debug-route", action="store_true",
-                     help="tell each client how its request was routed (HTTP header / gRPC "
-                          "trailing metadata pdserve-route: path/reason)")
+                     help="debug mode: tell each client how its request was routed and where its "
+                          "TTFT went (HTTP headers / gRPC trailing metadata pdserve-route: "
+                          "path/reason, pdserve-ttft-breakdown: stage=seconds,...)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.local_prefill_max_tokens < 0:

@@ -38,7 +38,7 @@ class RouterConfig:
     model: str | None = None  # None: the embedded default model
     max_model_len: int | None = None
     drain_grace_s: float = 10.0
-    debug_route: bool = False  # answer each request's route (path/reason) in a header / trailer
+    debug_route: bool = False  # answer each request's route and TTFT breakdown in headers / trailers
 
 
 class Router:

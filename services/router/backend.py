@@ -41,6 +41,9 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     route: str | None = None  # first event of a sample: how it was routed ("path/reason")
+    # first event of a sample: seconds per TTFT stage it passed behind the router's queue
+    # (services/router/metrics.py STAGES); the frontend observes them and reports them in debug mode
+    ttft_stages: dict[str, float] | None = None
 
 
 class Backend(abc.ABC):

@@ -3,8 +3,10 @@
     pdserve generate "The capital of France is" --stream --max-tokens 32
     pdserve generate "Say hi" --chat --temperature 0.7 --seed 1 --address 127.0.0.1:50051
 
-Prints the completion (as it arrives with ``--stream``); the token counts go to stderr. Exits
-1 with the server's status and message when the request fails.
+Prints the completion (as it arrives with ``--stream``); the token counts go to stderr, and with
+``--timings`` the request's route and TTFT breakdown by stage (a router started with
+``--debug-route`` answers them in trailing metadata). Exits 1 with the server's status and
+message when the request fails.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import grpc
 
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.settings import add_env_argument
+from services.router.frontend import ROUTE_HEADER
+from services.router.ttft_breakdown import TTFT_HEADER, describe, parse_breakdown
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -30,6 +34,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--temperature", type=float, default=None, help="0 is greedy (default 1)")
     add_env_argument(parser, "--seed", type=int, default=None, help="request-local sampling seed")
     add_env_argument(parser, "--timeout", type=float, default=300.0, help="deadline in seconds")
+    add_env_argument(parser, "--timings", action="store_true",
+                     help="print the route and TTFT breakdown by stage to stderr (the router "
+                          "must run with --debug-route)")
     return parser.parse_args(argv)
 
 
@@ -58,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     with grpc.insecure_channel(args.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         try:
-            for response in stub.Generate(build_request(args), timeout=args.timeout):
+            call = stub.Generate(build_request(args), timeout=args.timeout)
+            for response in call:
                 if args.stream:
                     print(response.text, end="", flush=True)
                 text.append(response.text)
@@ -72,6 +80,16 @@ def main(argv: list[str] | None = None) -> None:
     if usage is not None:
         print(f"[{finish.removeprefix('FINISH_REASON_').lower()}; prompt {usage.prompt_tokens} "
               f"tokens, completion {usage.completion_tokens} tokens]", file=sys.stderr)
+    if args.timings:
+        print(timings_text(dict(call.trailing_metadata() or ())), file=sys.stderr)
+
+
+def timings_text(trailers: dict[str, str]) -> str:
+    """What ``--timings`` prints for a call's trailing metadata."""
+    if TTFT_HEADER not in trailers:
+        return (f"no TTFT breakdown in the reply ({TTFT_HEADER}): start the router with "
+                "--debug-route to get one")
+    return describe(parse_breakdown(trailers[TTFT_HEADER]), trailers.get(ROUTE_HEADER))
 
 
 if __name__ == "__main__":

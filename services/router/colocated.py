@@ -8,6 +8,7 @@ stays cheap for a router that never runs colocated.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -86,14 +87,19 @@ class ColocatedBackend(Backend):
         self._num_active += 1
         outputs = self.engine.generate(request_id, prompt_token_ids, params)
         timer = self.worker_metrics.request()  # queue time is not split out here: it reads 0
+        started = time.monotonic()
         num_finished = 0
+        has_first = False
         try:
             async for output in outputs:
                 timer.on_output(len(output.new_token_ids))
                 num_finished += output.finished
                 if output.finished and num_finished == params.n:
                     timer.on_finished(output.finish_reason, len(prompt_token_ids))
-                yield TokenEvent(
+                # one TTFT stage here (the engine's queue is not split out): submitted to first token
+                stages = None if has_first else {"prefill_compute": time.monotonic() - started}
+                has_first = True
+                yield TokenEvent(ttft_stages=stages,
                     index=output.index, token_ids=output.new_token_ids,
                     logprobs=output.new_logprobs, prompt_logprobs=output.prompt_logprobs,
                     finish_reason=output.finish_reason,

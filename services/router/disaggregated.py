@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -41,9 +42,11 @@ from services.common.wire import (
     logprobs_from_proto,
     logprobs_list_from_proto,
     params_to_proto,
+    ttft_stages_from_proto,
 )
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
 from services.router.local_path import run_local
+from services.router.metrics import RouterMetrics
 from services.router.policy import LoadPolicy, RoutingPolicy
 from services.router.prefix_aware import PrefixAwarePolicy
 from services.router.route_decisions import RouteDecisions
@@ -76,6 +79,13 @@ class DisaggregatedBackend(Backend):
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
         self._background: set[asyncio.Task] = set()
+
+    def attach_metrics(self, metrics: RouterMetrics) -> None:
+        """Routing decisions and the prefix index's health go to the router's metrics (TTFT
+        stages travel on each sample's first TokenEvent: the frontend observes them)."""
+        self.route_decisions.listener = metrics.routing.decision
+        if isinstance(self.policy, PrefixAwarePolicy):
+            self.policy.routing = metrics.routing
 
     async def start(self) -> None:
         await self.pool.start()
@@ -169,7 +179,9 @@ class DisaggregatedBackend(Backend):
 
     async def _pipeline(self, request_id: str, prompt: list[int], params: SamplingParams,
                         index: int) -> AsyncIterator[TokenEvent]:
+        planned_at = time.monotonic()
         plan = await self._plan(request_id, prompt, params)
+        lookup_s = (time.monotonic() - planned_at) if isinstance(self.policy, PrefixAwarePolicy) else None
         try:
             if plan is not None and plan.path == "local" and params.prompt_logprobs is None:
                 decode = next((w for w in self.pool.healthy("decode")
@@ -178,14 +190,14 @@ class DisaggregatedBackend(Backend):
                     local = run_local(self, decode, request_id, prompt, params, index, plan)
                     try:
                         async for event in local:
-                            yield event
+                            yield _with_lookup(event, lookup_s)
                     finally:
                         await local.aclose()
                     return
             remote = self._remote(request_id, prompt, params, index, plan)
             try:
                 async for event in remote:
-                    yield event
+                    yield _with_lookup(event, lookup_s)
             finally:
                 await remote.aclose()
         finally:
@@ -221,7 +233,8 @@ class DisaggregatedBackend(Backend):
                 finish_reason=finish,
                 stop_token_id=first.stop_token_id if first.HasField("stop_token_id") else None,
                 num_prompt_tokens=len(prompt), num_cached_tokens=first.num_cached_prompt_tokens,
-                route=plan.key if plan is not None else "remote/load")
+                route=plan.key if plan is not None else "remote/load",
+                ttft_stages=ttft_stages_from_proto(first.stages))
             if finish is not None:
                 finished = True
                 return
@@ -371,6 +384,13 @@ def _forget_task(tasks: set[asyncio.Task]):
         if not task.cancelled() and task.exception() is not None:
             log.info("background call ended with %r", task.exception())
     return done
+
+
+def _with_lookup(event: TokenEvent, lookup_s: float | None) -> TokenEvent:
+    """A sample's first event gains the ``index_lookup`` stage (the prefix-aware plan's time)."""
+    if lookup_s is not None and event.ttft_stages is not None:
+        event.ttft_stages["index_lookup"] = lookup_s
+    return event
 
 
 def _failed_peer(exc: grpc.aio.AioRpcError) -> str:

@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
 from services.router.metrics import RouterMetrics
 from services.router.model_info import ModelInfo
+from services.router.ttft_breakdown import TTFT_HEADER, format_breakdown
 
 
 class InvalidRequest(ValueError):
@@ -128,7 +129,9 @@ class Frontend:
         when the edge received it) times the ``router_queue`` TTFT stage up to now."""
         generation = Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params, is_stream)
         if arrived_at is not None:
-            self.metrics.stages.observe("router_queue", generation.sent_at - arrived_at)
+            queue_s = generation.sent_at - arrived_at
+            self.metrics.stages.observe("router_queue", queue_s)
+            generation.ttft_stages["router_queue"] = queue_s
         return generation
 
 
@@ -161,6 +164,10 @@ class Generation:
         self.sent_at = self._timer.sent_at
         self._has_failed = False
         self.route: str | None = None  # how the first sample was routed (TokenEvent.route)
+        # seconds per TTFT stage (router_queue, then the first event's stages) and, once the
+        # first event is back, "ttft" itself: the debug-mode breakdown
+        self.ttft_stages: dict[str, float] = {}
+        self._stages = frontend.metrics.stages
 
     @property
     def is_finished(self) -> bool:
@@ -172,6 +179,10 @@ class Generation:
             self._first_event = await anext(self._events)
             self._timer.on_event()
             self.route = self._first_event.route
+            for stage, seconds in (self._first_event.ttft_stages or {}).items():
+                self._stages.observe(stage, seconds)
+                self.ttft_stages[stage] = seconds
+            self.ttft_stages["ttft"] = self._timer.ttft_s
         except StopAsyncIteration:
             self._has_failed = True
             await self.aclose()
@@ -280,6 +291,13 @@ def _param_of(message: str) -> str | None:
 
 
 ROUTE_HEADER = "pdserve-route"  # HTTP header / gRPC trailing metadata in debug mode: path/reason
+
+
+def debug_headers(generation: Generation) -> tuple[tuple[str, str], ...]:
+    """Debug mode's answer for a started request: its route (``path/reason``) and its TTFT
+    breakdown (services/router/ttft_breakdown.py), as HTTP headers / gRPC trailing metadata."""
+    headers = ((ROUTE_HEADER, generation.route),) if generation.route else ()
+    return (*headers, (TTFT_HEADER, format_breakdown(generation.ttft_stages)))
 
 
 @dataclass

@@ -20,7 +20,7 @@ import grpc
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
 from services.router.backend import BackendError, Overloaded
-from services.router.frontend import ROUTE_HEADER, Frontend, InvalidRequest, RouterState, SampleDelta
+from services.router.frontend import Frontend, InvalidRequest, RouterState, SampleDelta, debug_headers
 
 if TYPE_CHECKING:
     pass
@@ -54,8 +54,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
 
         request_id = request.request_id or generation.request_id
-        if self.state.debug_route and generation.route:
-            context.set_trailing_metadata(((ROUTE_HEADER, generation.route),))
+        if self.state.debug_route:
+            context.set_trailing_metadata(debug_headers(generation))
         try:
             async for delta in generation:
                 response = _response(request_id, delta, frontend)

@@ -18,7 +18,12 @@ import grpc
 from engine.mathutils import cdiv
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2
-from services.common.wire import finish_from_proto, logprobs_list_from_proto, params_to_proto
+from services.common.wire import (
+    finish_from_proto,
+    logprobs_list_from_proto,
+    params_to_proto,
+    ttft_stages_from_proto,
+)
 from services.router.backend import BackendError, TokenEvent
 from services.router.route_plan import RoutePlan
 from services.router.worker_pool import Worker
@@ -78,6 +83,7 @@ async def run_local(backend: DisaggregatedBackend, decode: Worker, request_id: s
                 event.num_prompt_tokens = len(prompt)
                 event.num_cached_tokens = response.num_cached_prompt_tokens
                 event.route = plan.key
+                event.ttft_stages = ttft_stages_from_proto(response.stages)
                 is_first = False
             yield event
     finally:

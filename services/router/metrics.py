@@ -155,7 +155,7 @@ class RouterMetrics:
 class RequestTimer:
     """One request as the router sees it (event-loop thread only); ``on_finished`` is idempotent."""
 
-    __slots__ = ("m", "num_prompt_tokens", "request_type", "sent_at", "last_event_at", "is_done")
+    __slots__ = ("m", "num_prompt_tokens", "request_type", "sent_at", "last_event_at", "is_done", "ttft_s")
 
     def __init__(self, metrics: RouterMetrics, num_prompt_tokens: int, request_type: str) -> None:
         self.m = metrics
@@ -164,13 +164,15 @@ class RequestTimer:
         self.sent_at = time.monotonic()
         self.last_event_at: float | None = None
         self.is_done = False
+        self.ttft_s = 0.0  # sent to first event (s), once it came
         metrics.inflight.labels(metrics.model_name).inc()
         metrics.queued.labels(metrics.model_name).inc()
 
     def on_event(self) -> None:
         now, m = time.monotonic(), self.m
         if self.last_event_at is None:
-            m.ttft.labels(m.model_name).observe(now - self.sent_at)
+            self.ttft_s = now - self.sent_at
+            m.ttft.labels(m.model_name).observe(self.ttft_s)
             m.queued.labels(m.model_name).dec()
         else:
             m.itl.labels(m.model_name).observe(now - self.last_event_at)

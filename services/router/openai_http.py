@@ -24,7 +24,7 @@ from aiohttp import web
 
 from services.common.metrics import CONTENT_TYPE, render
 from services.router.backend import BackendError, Overloaded
-from services.router.frontend import ROUTE_HEADER, Frontend, Generation, InvalidRequest, RouterState
+from services.router.frontend import Frontend, Generation, InvalidRequest, RouterState, debug_headers
 from services.router.openai_protocol import (
     OpenAIRequest,
     error_body,
@@ -180,8 +180,7 @@ class _Handlers:
         async with frontend.generate(prompt_ids, params, is_stream=api.stream,
                                      arrived_at=arrived_at) as generation:
             render = ResponseRenderer(api, frontend, generation)
-            headers = ({ROUTE_HEADER: generation.route}
-                       if self.state.debug_route and generation.route else {})
+            headers = dict(debug_headers(generation)) if self.state.debug_route else {}
             if api.stream:
                 return await _stream(request, api, generation, render, headers)
             async for delta in generation:

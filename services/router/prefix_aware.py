@@ -8,6 +8,9 @@ this router's recent decisions (``RecentDecisions``, one memory per role), then
 counts: this router reserves each chosen worker in Redis (in the background, never awaited)
 and releases it when the request ends (``finish``).
 
+Metrics (``routing``, the router's ``RoutingRecorder``, set before ``configure``): the lookup
+time of every answered ``match``, the index's availability after each, and every fallback.
+
 Redis slow or down: ``match`` answers None (budget, circuit breaker) and the plan is load-only
 (reason ``index_unavailable``); no request waits for Redis or fails because of it.
 
@@ -23,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -45,6 +49,9 @@ from services.router.route_plan import (
     prefill_candidate,
 )
 
+if TYPE_CHECKING:
+    from services.router.metrics import RoutingRecorder
+
 log = logging.getLogger(__name__)
 # A probe costs one lookup budget (a few ms): after an outage the router retries the index at
 # least every 2 s, so routing is KV-aware again within seconds of Redis coming back.
@@ -66,6 +73,7 @@ class PrefixAwarePolicy(LoadPolicy):
         self.decisions = decisions or RouteDecisions()
         self.index: IndexClient | None = None
         self.meta: IndexMeta | None = None
+        self.routing: RoutingRecorder | None = None
         scoring = config.scoring
         self.recent = {role: RecentDecisions(scoring.memory_ttl_s, scoring.max_memory_entries)
                        for role in ("prefill", "decode")}
@@ -81,6 +89,8 @@ class PrefixAwarePolicy(LoadPolicy):
         the index holds other hash settings; Redis being unreachable only logs (advisory)."""
         meta = IndexMeta(compat.model_name, compat.hash, compat.block_size)
         index = IndexClient(self.redis_url, meta, self.client_config)
+        if self.routing is not None:
+            index.on_fallback = self.routing.fallback
         try:
             index.check_meta()
         except redis.RedisError as exc:
@@ -107,8 +117,13 @@ class PrefixAwarePolicy(LoadPolicy):
         matches: dict[str, WorkerMatch] | None = None
         if self.index is not None:
             hashes = self.block_hashes(prompt, params)
+            lookup_started = time.perf_counter()
             matches = await asyncio.get_running_loop().run_in_executor(
                 self._lookups, self.index.match, hashes)
+            if self.routing is not None:
+                if matches is not None:
+                    self.routing.index_lookup(time.perf_counter() - lookup_started)
+                self.routing.set_index_available(self.index.is_available)
         found = matches or {}
         decode_cands = self.recent["decode"].with_predictions(
             [decode_candidate(w, found.get(w.worker_id), self._others(found, w.worker_id))

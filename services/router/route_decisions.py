@@ -5,12 +5,14 @@ Keys are ``RoutePlan.key`` values: ``local/short_uncached``, ``local/decode_hold
 ``remote/prefix``, ``remote/load``, ``remote/imbalance``, ``remote/index_unavailable``, and
 ``remote/retry`` (a worker failed before the first event and the load policy picked again),
 ``remote/plan_error`` (the plan raised: a bug, logged; the load policy picked).
-Updated on the router's event loop only.
+Updated on the router's event loop only. ``listener(path, reason)``, when set, hears every
+decision (the router's ``pdserve_route_decisions_total``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 
 class RouteDecisions:
@@ -22,9 +24,13 @@ class RouteDecisions:
             raise ValueError(f"max_samples must be positive, got {max_samples}")
         self.counts: dict[str, int] = {}
         self.latencies_s: deque[float] = deque(maxlen=max_samples)
+        self.listener: Callable[[str, str], None] | None = None
 
     def record(self, key: str, latency_s: float | None = None) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
+        if self.listener is not None:
+            path, _, reason = key.partition("/")
+            self.listener(path, reason)
         if latency_s is not None:
             self.latencies_s.append(latency_s)
 

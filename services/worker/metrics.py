@@ -23,7 +23,7 @@ the finish reason. ``NullRequestTimer`` is what a worker started with ``--metric
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -32,9 +32,11 @@ from prometheus_client.registry import Collector
 
 from services.common.async_engine import AsyncEngine
 from services.common.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, TTFT_BUCKETS_S
+from services.index.publisher import RESYNC_REASONS
 from services.worker.stats import TransferCounters
 
 LABELS = ("model_name", "engine", "role", "worker")  # engine: "0", vLLM's engine index
+APPLY_RESULTS = ("ok", "dup", "gap", "fenced")  # the index's answers to an apply batch
 
 
 class EngineCollector(Collector):
@@ -46,6 +48,7 @@ class EngineCollector(Collector):
         self.engine = engine
         self.labels = list(labels)
         self.transfer_counters = transfer_counters or TransferCounters()
+        self.index_counts: Mapping[str, int] | None = None  # IndexPublisher.counts, with --redis-url
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -78,12 +81,32 @@ class EngineCollector(Collector):
         yield from self._spec()
         yield self._counter("pdserve_kv_transfer_bytes_sent", "KV bytes pushed to decode workers.",
                             self.transfer_counters.num_bytes_sent)
+        yield self._counter("pdserve_kv_transfer_bytes_saved", "KV bytes a delta transfer did not "
+                            "send (the decode worker had them cached).",
+                            self.transfer_counters.num_bytes_skipped_cached)
         blocks = CounterMetricFamily("pdserve_kv_transfer_blocks", "KV blocks of prompts handed to "
                                      "decode workers: sent, or skipped as cached there (delta).",
                                      labels=(*LABELS, "kind"))
         blocks.add_metric([*self.labels, "full"], self.transfer_counters.num_blocks_sent)
         blocks.add_metric([*self.labels, "delta"], self.transfer_counters.num_blocks_skipped_cached)
         yield blocks
+        yield from self._index()
+
+    def _index(self) -> Iterator[CounterMetricFamily]:
+        """The prefix-index publisher's apply results and resyncs (declared, without samples,
+        on a worker that does not publish)."""
+        counts = dict(self.index_counts) if self.index_counts is not None else None
+        apply = CounterMetricFamily("pdserve_index_apply", "Batches of KV events sent to the prefix "
+                                    "index, by its answer.", labels=(*LABELS, "result"))
+        resync = CounterMetricFamily("pdserve_index_resync", "Full snapshots of this worker's cache "
+                                     "sent to the prefix index, by cause.", labels=(*LABELS, "reason"))
+        if counts is not None:
+            for result in APPLY_RESULTS:
+                apply.add_metric([*self.labels, result], counts.get(result, 0))
+            for reason in RESYNC_REASONS:
+                resync.add_metric([*self.labels, reason], counts.get(f"resync_{reason}", 0))
+        yield apply
+        yield resync
 
     def _tiers(self, block_size: int) -> Iterator[CounterMetricFamily]:
         tiers = self.engine.stats().tiers

@@ -16,14 +16,16 @@ Every histogram is observed in ``on_finished`` except the inter-token gaps, one 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
 from services.common.async_engine import AsyncEngine
 from services.common.metrics import new_registry
-from services.worker.metrics import EngineCollector, RequestHistograms
+from services.worker.metrics import LABELS, EngineCollector, RequestHistograms
 from services.worker.stats import TransferCounters
+from services.worker.transfer_metrics import TransferMetrics
 
 
 class NullRequestTimer:
@@ -99,6 +101,7 @@ class WorkerMetrics:
     labels: tuple[str, str, str, str]
     histograms: RequestHistograms | None
     collector: EngineCollector | None
+    transfer: TransferMetrics  # KV pushes (prefill workers): services/worker/transfer_metrics.py
 
     @classmethod
     def create(cls, engine: AsyncEngine, model_name: str, worker_id: str, role: str,
@@ -108,16 +111,23 @@ class WorkerMetrics:
         labels = (model_name, "0", role, worker_id)
         collector = EngineCollector(engine, labels)
         registry.register(collector)
-        return cls(registry, labels, RequestHistograms.create(registry), collector)
+        return cls(registry, labels, RequestHistograms.create(registry), collector,
+                   TransferMetrics.create(registry, LABELS, labels))
 
     @classmethod
     def disabled(cls) -> WorkerMetrics:
-        return cls(CollectorRegistry(), ("", "", "", ""), None, None)
+        return cls(CollectorRegistry(), ("", "", "", ""), None, None, TransferMetrics.disabled())
 
     def attach_transfer_counters(self, counters: TransferCounters) -> None:
         """Export the role handler's KV transfer counters (created after the engine)."""
         if self.collector is not None:
             self.collector.transfer_counters = counters
+
+    def attach_index_counts(self, counts: Mapping[str, int]) -> None:
+        """Export the prefix-index publisher's counts (``IndexPublisher.counts``: apply results,
+        resyncs by reason), read at scrape time."""
+        if self.collector is not None:
+            self.collector.index_counts = counts
 
     def request(self) -> NullRequestTimer:
         if self.histograms is None:

@@ -148,6 +148,7 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
                  runtime.worker_id, server.address, args.transfer, engine.stats().num_total_blocks)
         if getattr(args, "redis_url", ""):
             index = WorkerIndexPublisher(runtime, server.address)
+            runtime.metrics.attach_index_counts(index.publisher.counts)
             await index.start()
         print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)
         await server.serve_until_signal(grace_s=args.drain_grace_s)

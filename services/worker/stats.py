@@ -28,6 +28,7 @@ class TransferCounters:
     num_blocks_sent: int = 0
     num_bytes_sent: int = 0
     num_blocks_skipped_cached: int = 0
+    num_bytes_skipped_cached: int = 0  # what the delta transfer saved (metrics only, not on the wire)
 
     def to_proto(self) -> worker_pb2.KVTransferCounters:
         return worker_pb2.KVTransferCounters(num_blocks_sent=self.num_blocks_sent,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from services.router.ttft_breakdown import TTFT_HEADER, parse_breakdown
 from tests.integration.cluster_fixtures import (
     free_port,
     start_kvstore,
@@ -52,7 +55,7 @@ def cluster(tmp_path_factory):
                           "--spec-method", "ngram", "--spec-k", "3", transfer="grpc")
     kvstore = start_kvstore(log_dir, "--metrics-port", str(free_port()), "--kvstore-gib", "0.05",
                             transfer="grpc")
-    router = start_router(log_dir, [prefill], [decode], "grpc")
+    router = start_router(log_dir, [prefill], [decode], "grpc", "--debug-route")
     processes = [prefill, decode, kvstore, router]
     try:
         wait_serving(processes, timeout_s=400.0)  # the shared 2-core box can be slow to load
@@ -131,6 +134,27 @@ def _cancelled_stream(port: str, prompt: list[int]) -> None:
     connection.close()
 
 
+def _debug_breakdown(port: str, prompt: list[int]) -> dict:
+    """A request to the --debug-route router: the TTFT breakdown header it answers."""
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        reply.read()
+        return parse_breakdown(reply.headers[TTFT_HEADER])
+
+
+def _generate_with_timings(address: str) -> None:
+    """``pdserve generate --timings`` prints each stage and the TTFT (a real client process)."""
+    done = subprocess.run([sys.executable, "-m", "services.cli", "generate", "a b c", "--address", address,
+                           "--max-tokens", "3", "--temperature", "0", "--timings"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, done.stderr
+    for name in ("TTFT breakdown (route remote/load)", "prefill_compute", "decode_admit", "network and router"):
+        assert name in done.stderr, done.stderr
+
+
 def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     router = cluster["router"]
     http_port = _port(router, "--http-port")
@@ -166,6 +190,14 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     assert value(r, "pdserve_ttft_stage_seconds_count", stage="router_queue") == num_streams
     assert (value(r, "pdserve_ttft_stage_seconds_sum", stage="router_queue")
             <= value(r, "dynamo_frontend_request_duration_seconds_sum"))
+    # the workers' stages come back with each first token: one per stream, and together no
+    # longer than the TTFTs they are part of (the rest is the network and the router)
+    worker_stages = ("decode_admit", "prefill_queue", "prefill_compute", "kv_transfer")
+    for stage in worker_stages:
+        assert value(r, "pdserve_ttft_stage_seconds_count", stage=stage) == num_streams, stage
+    assert (sum(value(r, "pdserve_ttft_stage_seconds_sum", stage=stage) for stage in worker_stages)
+            <= value(r, "dynamo_frontend_time_to_first_token_seconds_sum"))
+    assert value(r, "pdserve_route_decisions_total", path="remote", reason="load") == num_streams
 
     p, d = scraped["prefill"], scraped["decode"]
     # prefill computed every prompt and hit the prefix once; the cancelled stream counts if its
@@ -179,6 +211,11 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     assert value(p, "vllm:prefix_cache_hits_total") >= 48
     assert value(p, "vllm:prefix_cache_queries_total") >= value(p, "vllm:prefix_cache_hits_total")
     assert value(p, "pdserve_kv_transfer_blocks_total", kind="full") > 0
+    # one transfer per request handed to the decode worker (the cancelled one: if it got that far)
+    assert num_ok <= value(p, "pdserve_kv_transfer_seconds_count", transport="grpc") <= num_streams
+    assert value(p, "pdserve_kv_transfer_failures_total") == 0
+    assert ((value(p, "pdserve_kv_transfer_bytes_saved_total") > 0)
+            == (value(p, "pdserve_kv_transfer_blocks_total", kind="delta") > 0))
     # decode generated every token after the first of the finished requests
     assert value(d, "vllm:request_success_total", finished_reason="length") == num_ok
     assert value(d, "vllm:generation_tokens_total") == sum(u["completion_tokens"] - 1 for u in usages)
@@ -205,3 +242,9 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
         NAMES_FILE.write_text("\n".join(sorted(n for n in names if n.startswith(("vllm:", "dynamo_", "pdserve_"))
                                                     and not n.endswith("_created")))
                               + "\n")
+
+    # debug mode (after the scrape, whose counts it would change): the breakdown per request
+    stages = _debug_breakdown(http_port, PROMPTS[2])
+    assert {"router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admit"} <= set(stages)
+    assert sum(s for n, s in stages.items() if n not in ("ttft", "router_queue")) <= stages["ttft"]
+    _generate_with_timings(router.address)

@@ -101,6 +101,8 @@ def test_gap_resyncs_by_snapshot(redis_server, index):
         worker.store(H[2:3])
         wait_for(lambda: held(index) == worker.truth and worker.publisher.is_synced)
         assert worker.publisher.counts["gap"] == 1
+        # resyncs by cause (pdserve_index_resync_total{reason}): the first snapshot, then the gap's
+        assert worker.publisher.counts["resync_start"] == 1 and worker.publisher.counts["resync_gap"] == 1
     finally:
         worker.publisher.close()
 
@@ -114,6 +116,7 @@ def test_queue_overflow_becomes_a_snapshot(redis_server, index):
         worker.store(H[:10])
         wait_for(lambda: held(index) == worker.truth and worker.publisher.is_synced)
         assert worker.publisher.counts["overflow"] == 1
+        assert worker.publisher.counts.get("resync_overflow", 0) >= 1
     finally:
         worker.publisher.close()
 

@@ -87,3 +87,82 @@ def test_stage_recorder_refuses_unknown_stages():
     assert s[("pdserve_ttft_stage_seconds_count", (("stage", "decode_admit"),))] == 1
     assert s[("pdserve_route_decisions_total", (("path", "remote_delta"), ("reason", "prefix_hit")))] == 1
     assert s[("pdserve_index_available", ())] == 1
+
+
+def test_first_event_stages_are_observed_once_and_kept_for_debug_mode():
+    """A sample's first TokenEvent carries the stages behind the router's queue: the frontend
+    observes each once per request and keeps them, with the TTFT, as the debug breakdown."""
+    import asyncio
+
+    from engine.sampling_params import SamplingParams
+    from services.router.backend import TokenEvent
+    from services.router.frontend import Frontend
+    from services.router.model_info import ModelInfo
+    from tests.unit.test_router_frontend import ALPHABET, CharTokenizer, ScriptedBackend
+
+    worker = {"decode_admit": 0.002, "prefill_queue": 0.001, "prefill_compute": 0.02, "kv_transfer": 0.0,
+              "index_lookup": 0.003}
+    events = [TokenEvent(0, [1], ttft_stages=dict(worker)), TokenEvent(0, [2], ttft_stages={"kv_transfer": 9.0}),
+              TokenEvent(0, [3], finish_reason="length")]
+    frontend = Frontend(CharTokenizer(), ScriptedBackend(events), ModelInfo("m", len(ALPHABET) + 1, 64))
+
+    async def serve():
+        generation = frontend.generate([0, 1], SamplingParams(max_tokens=3), arrived_at=0.0)
+        async with generation:
+            _ = [d async for d in generation]
+        return generation
+
+    generation = asyncio.run(serve())
+    s = samples(frontend.metrics.registry)
+    for stage, seconds in worker.items():
+        assert s[("pdserve_ttft_stage_seconds_count", (("stage", stage),))] == 1
+        assert s[("pdserve_ttft_stage_seconds_sum", (("stage", stage),))] == pytest.approx(seconds)
+        assert generation.ttft_stages[stage] == seconds
+    assert s[("pdserve_ttft_stage_seconds_count", (("stage", "router_queue"),))] == 1
+    assert 0 < generation.ttft_stages["ttft"] < 5 and generation.ttft_stages["router_queue"] > 0
+
+
+def test_route_decisions_and_worker_stages_reach_the_router_metrics():
+    from services.common.wire import ttft_stages_from_proto, ttft_stages_to_proto
+    from services.router.route_decisions import RouteDecisions
+
+    m = RouterMetrics.create("m")
+    decisions = RouteDecisions()
+    decisions.listener = m.routing.decision
+    decisions.record("local/short_uncached", 0.001)
+    decisions.record("remote/load")
+    s = samples(m.registry)
+    assert s[("pdserve_route_decisions_total", (("path", "local"), ("reason", "short_uncached")))] == 1
+    assert s[("pdserve_route_decisions_total", (("path", "remote"), ("reason", "load")))] == 1
+    stages = {"prefill_queue": 0.25, "kv_transfer": 0.0}  # unset fields: stages not passed
+    assert ttft_stages_from_proto(ttft_stages_to_proto(stages)) == stages
+    with pytest.raises(ValueError, match="router_queue"):
+        ttft_stages_to_proto({"router_queue": 0.1})
+
+
+def test_transfer_metrics_per_transport_and_the_nixl_names():
+    from prometheus_client import CollectorRegistry
+
+    from services.worker.metrics import LABELS
+    from services.worker.transfer_metrics import TransferMetrics
+
+    registry = CollectorRegistry()
+    labels = ("m", "0", "prefill", "p0")
+    metrics = TransferMetrics.create(registry, LABELS, labels)
+    worker = tuple(zip(LABELS, labels))
+    s = samples(registry)
+    for transport in ("nixl", "grpc"):  # zero series before the first transfer
+        assert s[("pdserve_kv_transfer_seconds_count", tuple(sorted((*worker, ("transport", transport)))))] == 0
+    metrics.done("grpc", 0.02, 4096)
+    metrics.done("nixl", 0.01, 8192)
+    metrics.failed("nixl")
+    with pytest.raises(ValueError, match="ucx"):
+        metrics.done("ucx", 0.1, 1)
+    s = samples(registry)
+    key = tuple(sorted(worker))
+    assert s[("pdserve_kv_transfer_seconds_count", tuple(sorted((*worker, ("transport", "grpc")))))] == 1
+    assert s[("pdserve_kv_transfer_failures_total", tuple(sorted((*worker, ("transport", "nixl")))))] == 1
+    assert s[("vllm:nixl_xfer_time_seconds_count", key)] == 1  # nixl only, as vLLM
+    assert s[("vllm:nixl_bytes_transferred_sum", key)] == 8192
+    assert s[("vllm:nixl_num_failed_transfers_total", key)] == 1
+    TransferMetrics.disabled().done("grpc", 0.1, 1)  # metrics off: records nothing, no error
