@@ -42,12 +42,7 @@ def plot_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: Path, t
         ax.set_ylabel("fraction of requests (ITL: of gaps)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_sweep(points: Sequence[tuple[str, float, dict[str, Any]]], path: Path, x_label: str,
@@ -72,6 +67,11 @@ def plot_sweep(points: Sequence[tuple[str, float, dict[str, Any]]], path: Path, 
     for ax in axes:
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
+    return _save(plt, fig, path, title)
+
+
+def _save(plt: Any, fig: Any, path: Path, title: str) -> Path:
+    """Title, lay out and write ``fig`` to ``path`` (folders made), then free it."""
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

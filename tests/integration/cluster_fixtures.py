@@ -9,14 +9,17 @@ UCX on loopback (``UCX_NET_DEVICES=lo``). The test process never imports NIXL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -24,6 +27,28 @@ from services.common.health import SERVING, check_health
 from services.common.pb import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside: the offline oracle shares the cores with worker processes,
+    and torch's spinning thread pool slows to a crawl when it has to wait for them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def oracle_llm(*args: Any, **kwargs: Any) -> Iterator[Any]:
+    """Body of a module fixture: the offline engine ``LLM(*args, **kwargs)``, on one thread."""
+    from engine import LLM
+
+    with one_thread():
+        yield LLM(*args, **kwargs)
 
 
 def free_port() -> int:

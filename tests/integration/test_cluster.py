@@ -27,6 +27,7 @@ from services.common.pb import generate_pb2, generate_pb2_grpc, kv_pb2_grpc, wor
 from services.common.wire import finish_from_proto, params_to_proto
 from services.router.disaggregated import DisaggregatedBackend
 from tests.integration.cluster_fixtures import (
+    oracle_llm,
     start_router,
     start_worker,
     stop_all,
@@ -75,17 +76,7 @@ def router(cluster, transfer: str):
 
 @pytest.fixture(scope="module")
 def llm(loaded_model):
-    """The offline oracle, on one thread: four workers share the cores, and torch's spinning
-    thread pool slows to a crawl when it has to wait for them."""
-    import torch
-
-    from engine import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(loaded_model, num_kv_blocks=256)
-    finally:
-        torch.set_num_threads(threads)
+    yield from oracle_llm(loaded_model, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from engine import SamplingParams
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from tests.integration.cluster_fixtures import free_port
+from tests.integration.cluster_fixtures import free_port, one_thread
 
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed (.[deploy] extra)")
 serve = pytest.importorskip("ray.serve")
@@ -73,18 +73,12 @@ def wait_until(predicate: Any, what: str, timeout_s: float = WAIT_S) -> Any:
 
 @pytest.fixture(scope="module")
 def expected(loaded_model) -> dict[str, str]:
-    import torch
-
     from engine import LLM
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         llm = LLM(loaded_model, num_kv_blocks=128)
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         return {prompt: out.outputs[0].text for prompt, out in zip(PROMPTS, outputs)}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

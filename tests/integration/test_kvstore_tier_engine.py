@@ -18,6 +18,7 @@ from engine.kv_cache.hashing import hash_request_blocks
 from engine.kv_transfer.base import KVCompat
 from engine.sampling_params import SamplingParams
 from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
+from tests.engine_runs import run_alone
 from tests.integration.cluster_fixtures import start_kvstore, stop_all, wait_serving
 
 pytestmark = pytest.mark.slow
@@ -32,17 +33,7 @@ HIT = 3 * BS
 
 
 def run(core: EngineCore, prompt: list[int], request_id: str) -> tuple[list[int], int]:
-    core.add_request(request_id, prompt, GREEDY)
-    tokens, num_cached = [], -1
-    for _ in range(50):
-        if not core.has_unfinished_requests():
-            break
-        for output in core.step():
-            tokens += output.new_token_ids
-            num_cached = output.num_cached_tokens
-    assert not core.has_unfinished_requests()
-    core.check_integrity()
-    return tokens, num_cached
+    return run_alone(core, request_id, prompt, GREEDY)
 
 
 def wait_held(tier: KVStoreTier, num_blocks: int, timeout_s: float = 20.0) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.mathutils import cdiv
 from engine.runner.inputs import ScheduledSeq, build_model_input
 
 pytestmark = pytest.mark.slow
@@ -76,10 +77,11 @@ def test_greedy_one_by_one_equals_hf(llm, prompts, hf_greedy):
     llm.engine.check_integrity()
 
 
-def test_prefill_logits_match_hf(llm, hf_model, prompts):
+def assert_prefill_logits_match_hf(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
+    """Every position's logits of the first and the last prompt's prefill within 1e-3 of HF's."""
     runner = llm.engine.runner
     for ids in (prompts[0], prompts[-1]):
-        num_blocks = -(-len(ids) // runner.block_size)
+        num_blocks = cdiv(len(ids), runner.block_size)
         model_input = build_model_input(
             [ScheduledSeq(ids, 0, list(range(num_blocks)), num_logits=len(ids))], runner.block_size)
         hidden = runner.model.forward(model_input.input_ids, model_input.positions,
@@ -88,3 +90,7 @@ def test_prefill_logits_match_hf(llm, hf_model, prompts):
         with torch.inference_mode():
             theirs = hf_model(torch.tensor([ids])).logits[0].float()
         assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_prefill_logits_match_hf(llm, hf_model, prompts):
+    assert_prefill_logits_match_hf(llm, hf_model, prompts)

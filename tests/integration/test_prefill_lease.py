@@ -25,6 +25,7 @@ from services.common.wire import params_to_proto
 from services.router.disaggregated import DisaggregatedBackend
 from tests.integration.cluster_fixtures import (
     WorkerProcess,
+    oracle_llm,
     start_worker,
     stop_all,
     wait_all_blocks_free,
@@ -65,15 +66,7 @@ def workers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(loaded_model):
     """The offline oracle, on one thread (the workers share the cores)."""
-    import torch
-
-    from engine import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(loaded_model, num_kv_blocks=128)
-    finally:
-        torch.set_num_threads(threads)
+    yield from oracle_llm(loaded_model, num_kv_blocks=128)
 
 
 def alive(workers) -> list[WorkerProcess]:

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from engine import LLM
-from tests.integration.test_parity_hf import GREEDY, hf_greedy, prompts  # noqa: F401  (fixtures)
+from tests.integration.test_parity_hf import (  # noqa: F401  (fixtures)
+    GREEDY,
+    assert_prefill_logits_match_hf,
+    hf_greedy,
+    prompts,
+)
 
 pytestmark = pytest.mark.slow
 NEAR_TIE = 1e-3
@@ -47,16 +52,4 @@ def test_q4_greedy_equals_hf_on_the_same_dequantized_weights(llm_q4, hf_model, p
 
 
 def test_q4_prefill_logits_match_hf(llm_q4, hf_model, prompts):  # noqa: F811
-    from engine.runner.inputs import ScheduledSeq, build_model_input
-
-    runner = llm_q4.engine.runner
-    for ids in (prompts[0], prompts[-1]):
-        num_blocks = -(-len(ids) // runner.block_size)
-        model_input = build_model_input(
-            [ScheduledSeq(ids, 0, list(range(num_blocks)), num_logits=len(ids))], runner.block_size)
-        hidden = runner.model.forward(model_input.input_ids, model_input.positions,
-                                      model_input.attn, runner.kv_cache)
-        ours = runner.model.compute_logits(hidden[model_input.logits_indices])
-        with torch.inference_mode():
-            theirs = hf_model(torch.tensor([ids])).logits[0].float()
-        assert (ours - theirs).abs().max().item() < 1e-3
+    assert_prefill_logits_match_hf(llm_q4, hf_model, prompts)

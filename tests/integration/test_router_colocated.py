@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.integration.cluster_fixtures import oracle_llm
 
 pytestmark = pytest.mark.slow
 
@@ -77,13 +78,7 @@ def router(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm():
-    import torch
-
-    from engine import LLM
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # shares the cores with the router process
-    yield LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
-    torch.set_num_threads(num_threads)
+    yield from oracle_llm(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)  # shares the cores with the router
 
 
 def offline(llm, prompt, **params):

@@ -23,7 +23,7 @@ from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import params_to_proto
 from services.index.redis_server import EmbeddedRedis
 from services.router.frontend import ROUTE_HEADER
-from tests.integration.cluster_fixtures import start_router, start_worker, stop_all, wait_serving
+from tests.integration.cluster_fixtures import oracle_llm, start_router, start_worker, stop_all, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +63,7 @@ def cluster(redis_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(loaded_model):
-    import torch
-
-    from engine import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(loaded_model, num_kv_blocks=128)
-    finally:
-        torch.set_num_threads(threads)
+    yield from oracle_llm(loaded_model, num_kv_blocks=128)
 
 
 async def generate(channel: grpc.aio.Channel, prompt: list[int],

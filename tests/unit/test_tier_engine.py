@@ -19,6 +19,7 @@ from engine.kv_cache.hashing import hash_request_blocks
 from engine.kv_cache.host_tier import HostTier, NoHostTier
 from engine.sampling_params import SamplingParams
 from engine.stats import TierStats
+from tests.engine_runs import run_alone
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +46,9 @@ _ids = iter(range(10**6))
 
 def run(core: EngineCore, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], int]:
     """(output tokens, prompt tokens served from cache) of one request run alone; checks idle after."""
-    request_id = f"t{next(_ids)}"
-    core.add_request(request_id, prompt, params)
-    tokens, num_cached = [], -1
-    for _ in range(50):
-        if not core.has_unfinished_requests():
-            break
-        for output in core.step():
-            tokens += output.new_token_ids
-            num_cached = output.num_cached_tokens
-    assert not core.has_unfinished_requests()
-    core.check_integrity()
+    result = run_alone(core, f"t{next(_ids)}", prompt, params)
     assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
-    return tokens, num_cached
+    return result
 
 
 def fresh(core: EngineCore) -> EngineCore:
