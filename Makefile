@@ -6,8 +6,11 @@ TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
 DEPLOY_TOOLS := .venv/deploy-tools
+# llama.cpp, for side-by-side benchmarks only (never a dependency): vendored in this sdist.
+LLAMA_CPP_PY := llama-cpp-python==0.3.36
+PEERS        := .peers
 
-.PHONY: up lint test test-fast bench clean-venv deploy-tools
+.PHONY: up lint test test-fast bench clean-venv deploy-tools peers-llama
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -48,6 +51,20 @@ bench: $(STAMP)
 deploy-tools:
 	test -n "$$(ls $(DEPLOY_TOOLS)/docker_compose-1.29.2-*.whl 2>/dev/null)" \
 		|| $(PIP) download -q --no-deps docker-compose==1.29.2 -d $(DEPLOY_TOOLS)
+
+# llama-server and llama-bench in .peers/bin (10-15 min on 2 cores; cmake, ninja and g++ needed):
+# `pdserve bench compare --target llama=url:...` and `python -m loadtests.bench_quant --llama-bench`.
+peers-llama: $(STAMP)
+	test -x $(PEERS)/bin/llama-bench || { \
+		rm -rf $(PEERS)/src && mkdir -p $(PEERS)/src $(PEERS)/bin \
+		&& $(PIP) download -q --no-deps --no-binary :all: $(LLAMA_CPP_PY) -d $(PEERS)/src \
+		&& tar xzf $(PEERS)/src/llama_cpp_python-*.tar.gz -C $(PEERS)/src \
+		&& cd $(PEERS)/src/llama_cpp_python-*/vendor/llama.cpp \
+		&& cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+			-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+			-DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
+		&& ninja -C build llama-server llama-bench \
+		&& cp build/bin/llama-server build/bin/llama-bench $(CURDIR)/$(PEERS)/bin/; }
 
 clean-venv:
 	rm -rf .venv

@@ -2,6 +2,7 @@
 streaming-read bound, fp32 vs q8_0 vs q4 in the same run.
 
     python -m loadtests.bench_quant [--model PATH] [--formats fp32,q8_0,q4] [--decode-tokens 32]
+                                    [--llama-bench PATH]
 
 Accuracy, on ``EVAL_TEXTS`` (a fixed text set in this file: prose, code, a list, a dialogue),
 teacher-forced through the model's forward: the perplexity of each format, its ratio to fp32's,
@@ -10,22 +11,27 @@ agreement on ``GREEDY_PROMPTS``: the fraction of fp32's 32 greedy tokens each fo
 before its first difference. Speed: batch-1 decode tokens/s as (time for N+1 tokens - time for
 1) / N, best of ``--repeats`` rounds that interleave the formats (drift hits all alike), next to
 the streaming-read bound: the bytes one decode step reads (the model's ``weight_bytes``) over
-the machine's streaming-read bandwidth measured in the same run. Prints the CPU, its SIMD flags,
-the thread count and the load average (the machine may be shared).
+the machine's streaming-read bandwidth measured in the same run. With ``--llama-bench`` (a
+llama.cpp build: ``make peers-llama``), llama.cpp's ``llama-bench`` decodes the same GGUF file
+with as many threads, once per round between the formats, and its best rate joins the table.
+Prints the CPU, its SIMD flags, the thread count and the load average (the machine may be shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
+import subprocess
 import time
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.mathutils import cdiv
+from engine.models.default_model import default_model_path
 from engine.models.loader import load_model
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from loadtests.bench_engine import memcpy_bandwidth, torch_threads
@@ -112,9 +118,19 @@ def _prefix(ours: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
 
 
-def decode_rates(llms: dict[str, LLM], tokenizer, num_tokens: int, repeats: int) -> tuple[dict[str, float], float]:
-    """Best batch-1 decode tokens/s per format, and the best streaming-read bandwidth (bytes/s)
-    measured between the rounds."""
+def llama_bench_rate(binary: str, model: str, num_tokens: int, num_threads: int) -> float:
+    """llama.cpp's batch-1 decode tokens/s on ``model`` (llama-bench's tg test, best of 2)."""
+    argv = [binary, "-m", model, "-p", "0", "-n", str(num_tokens), "-t", str(num_threads), "-r", "2",
+            "-o", "json"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    return max(max(row["samples_ts"]) for row in json.loads(result.stdout))
+
+
+def decode_rates(llms: dict[str, LLM], tokenizer, num_tokens: int, repeats: int,
+                 llama: tuple[str, str] | None = None) -> tuple[dict[str, float], float]:
+    """Best batch-1 decode tokens/s per format (and ``llama.cpp`` when ``llama`` is (llama-bench
+    binary, GGUF path)), and the best streaming-read bandwidth (bytes/s) measured between the
+    rounds."""
     prompt = [tokenizer.encode("The history of the printing press begins")]
     best = dict.fromkeys(llms, 0.0)
     read_bw = 0.0
@@ -131,6 +147,9 @@ def decode_rates(llms: dict[str, LLM], tokenizer, num_tokens: int, repeats: int)
         for name, llm in llms.items():
             elapsed = min(timed(llm, num_tokens + 1) for _ in range(2)) - min(timed(llm, 1) for _ in range(2))
             best[name] = max(best[name], num_tokens / max(elapsed, 1e-9))
+        if llama is not None:
+            rate = llama_bench_rate(*llama, num_tokens, torch.get_num_threads())
+            best["llama.cpp"] = max(best.get("llama.cpp", 0.0), rate)
         with torch_threads(len(os.sched_getaffinity(0))):
             read_bw = max(read_bw, memcpy_bandwidth(256 << 20, 3)[1])
     return best, read_bw
@@ -158,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--llama-bench", default="",
+                        help="llama.cpp's llama-bench binary: decode the same GGUF with it in each round")
     args = parser.parse_args(argv)
     formats = args.formats.split(",")
     print(machine())
@@ -170,15 +191,24 @@ def main(argv: list[str] | None = None) -> None:
               f"{llms[fmt].engine.runner.model.weight_bytes / 1e6:.1f} MB read per decode step")
     if not args.skip_accuracy:
         accuracy(llms, loaded.tokenizer)
-    rates, read_bw = decode_rates(llms, loaded.tokenizer, args.decode_tokens, args.repeats)
+    gguf = args.model or default_model_path()
+    if args.llama_bench and not gguf.endswith(".gguf"):
+        parser.error("--llama-bench needs a GGUF model")
+    llama = (args.llama_bench, gguf) if args.llama_bench else None
+    rates, read_bw = decode_rates(llms, loaded.tokenizer, args.decode_tokens, args.repeats, llama)
     print(f"batch-1 decode, {args.decode_tokens} tokens, best of {args.repeats} interleaved rounds; "
           f"streaming read {read_bw / 1e9:.1f} GB/s")
     print(f"{'format':<8}{'MB/step':>9}{'tok/s':>9}{'bound tok/s':>13}{'of bound':>10}{'vs fp32':>9}")
+    base = rates.get("fp32") or max(rates.values())
     for fmt, rate in rates.items():
+        if fmt not in llms:  # llama.cpp: bytes per step not measured here
+            print(f"{fmt:<8}{'':>9}{rate:>9.1f}{'':>13}{'':>10}{rate / base:>9.2f}")
+            continue
         weight_bytes = llms[fmt].engine.runner.model.weight_bytes
         bound = read_bw / weight_bytes
-        base = rates.get("fp32") or rate
         print(f"{fmt:<8}{weight_bytes / 1e6:>9.1f}{rate:>9.1f}{bound:>13.1f}{rate / bound:>10.2f}{rate / base:>9.2f}")
+    if "llama.cpp" in rates and "q4" in rates:
+        print(f"q4 / llama.cpp: {rates['q4'] / rates['llama.cpp']:.2f}")
     print(f"load average (1/5/15 min) at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
