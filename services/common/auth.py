@@ -122,7 +122,7 @@ def api_key_argv(args: argparse.Namespace) -> list[str]:
     """The ``--api-key-file`` / ``--metrics-auth`` flags to hand a child router. Keys given with
     ``--api-key`` are not passed on the command line (ps shows argv): the caller puts them in
     the child's PDSERVE_API_KEY with ``api_key_env``."""
-    argv = ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    argv = ["--api-key-file", str(Path(args.api_key_file).resolve())] if args.api_key_file else []
     return argv + (["--metrics-auth"] if args.metrics_auth else [])
 
 

@@ -2,6 +2,7 @@
 
     pdserve generate "The capital of France is" --stream --max-tokens 32
     pdserve generate "Say hi" --chat --temperature 0.7 --seed 1 --address 127.0.0.1:50051
+    PDSERVE_API_KEY=sk-... pdserve generate "Hello"   # a router with API keys (or --api-key)
 
 Prints the completion (as it arrives with ``--stream``); the token counts go to stderr. Exits
 1 with the server's status and message when the request fails.
@@ -14,6 +15,7 @@ import sys
 
 import grpc
 
+from services.common.channels import public_channel
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.settings import add_env_argument
 
@@ -30,6 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--temperature", type=float, default=None, help="0 is greedy (default 1)")
     add_env_argument(parser, "--seed", type=int, default=None, help="request-local sampling seed")
     add_env_argument(parser, "--timeout", type=float, default=300.0, help="deadline in seconds")
+    add_env_argument(parser, "--api-key", default="",
+                     help="the router's API key, sent as 'authorization: Bearer KEY' (a "
+                          "comma-separated list: the first; prefer the env, argv shows in ps)")
     return parser.parse_args(argv)
 
 
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --seed must be >= 0, got {args.seed}")
     text: list[str] = []
     usage, finish = None, ""
-    with grpc.insecure_channel(args.address) as channel:
+    with public_channel(args.address, api_key=args.api_key.split(",")[0].strip()) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         try:
             for response in stub.Generate(build_request(args), timeout=args.timeout):
