@@ -309,6 +309,20 @@ async def run(args: argparse.Namespace) -> int:
             await asyncio.to_thread(redis_server.close)
 
 
+def prepare_auth(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Check the API keys (a bad one fails ``up`` before anything starts), set
+    ``args.internal_token`` to the user's token or a new random one (one per launch) and install
+    it in this process, which probes its children with it. Errors are ``parser.error``."""
+    try:
+        api_keys_from(args)
+    except ValueError as error:
+        parser.error(f"API keys: {error}")
+    auth = install_from_args(args, parser)
+    args.internal_token = auth.token or secrets.token_urlsafe(32)
+    args.internal_token_file = ""
+    install_from_args(args, parser)
+
+
 def internal_auth_env(args: argparse.Namespace) -> dict[str, str]:
     """The children's internal credentials: ``args.internal_token`` (what ``--internal-token``,
     its file or env gave, as installed in this process) or a new random token, and absolute
@@ -395,14 +409,7 @@ async def _until_stopped(stop: asyncio.Event, work) -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        api_keys_from(args)  # checked here, so a bad key fails `up` before anything starts
-    except ValueError as error:
-        parser.error(f"API keys: {error}")
-    auth = install_from_args(args, parser)
-    args.internal_token = auth.token or secrets.token_urlsafe(32)  # one per launch
-    args.internal_token_file = ""
-    install_from_args(args, parser)  # this process probes its children with it
+    prepare_auth(args, parser)
     if args.prefill < 1 or args.decode < 1:
         build_parser().error("--prefill and --decode must be >= 1")
     if args.kvstore_gib < 0:
