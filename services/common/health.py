@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from services.common.channels import internal_channel, public_aio_channel
+from services.common.internal_auth import InternalAuth
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -48,12 +49,12 @@ class HealthReporter:
 
 
 async def check_health(address: str, service: str = OVERALL, timeout_s: float = 1.0,
-                       is_internal: bool = True) -> int:
+                       is_internal: bool = True, auth: InternalAuth | None = None) -> int:
     """One Health.Check; returns the ServingStatus enum value. Raises grpc.aio.AioRpcError.
 
-    ``is_internal``: over an internal channel (mutual TLS when configured); False for a
-    router's public port, which is plaintext."""
-    channel = internal_channel(address) if is_internal else public_aio_channel(address)
+    ``is_internal``: over an internal channel (mutual TLS when configured; ``auth``, default
+    the process's); False for a router's public port, which is plaintext."""
+    channel = internal_channel(address, auth=auth) if is_internal else public_aio_channel(address)
     async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
