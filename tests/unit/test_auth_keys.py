@@ -129,3 +129,10 @@ def test_each_launch_makes_its_own_internal_token(monkeypatch):
         assert len(args.internal_token) >= 32 and internal_auth.current().token == args.internal_token
         tokens.add(args.internal_token)
     assert len(tokens) == 2
+
+
+def test_only_loopback_binds_skip_the_no_key_warning():
+    from services.router.app import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "router.svc", ""))
