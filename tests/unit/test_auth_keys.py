@@ -136,3 +136,14 @@ def test_only_loopback_binds_skip_the_no_key_warning():
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "router.svc", ""))
+
+
+def test_ray_replicas_get_the_drivers_token_or_a_new_one():
+    from services.ray.__main__ import internal_auth_env
+
+    made = internal_auth_env({})
+    assert set(made) == {"PDSERVE_INTERNAL_TOKEN"} and len(made["PDSERVE_INTERNAL_TOKEN"]) >= 32
+    assert internal_auth_env({})["PDSERVE_INTERNAL_TOKEN"] != made["PDSERVE_INTERNAL_TOKEN"]
+    given = {"PDSERVE_INTERNAL_TOKEN": "tok", "PDSERVE_TLS_CA": "/etc/ca.pem", "PDSERVE_TLS_KEY": "",
+             "HOME": "/root"}
+    assert internal_auth_env(given) == {"PDSERVE_INTERNAL_TOKEN": "tok", "PDSERVE_TLS_CA": "/etc/ca.pem"}
