@@ -25,7 +25,8 @@ a UCX agent here. UCX is pinned to loopback (``UCX_NET_DEVICES=lo``) unless alre
 
 Security: ``up`` makes a random internal token per launch (``secrets.token_urlsafe``) and hands
 it to every child in ``PDSERVE_INTERNAL_TOKEN`` (never in argv, which ps shows), so only its own
-processes reach the workers and the kvstore; ``--tls-cert/--tls-key/--tls-ca`` add mutual TLS
+processes reach the workers and the kvstore (it is also written, mode 0600, to
+``<log dir>/internal-token`` for operator tools); ``--tls-cert/--tls-key/--tls-ca`` add mutual TLS
 (the paths go to the children as ``PDSERVE_TLS_*``). ``--api-key`` / ``PDSERVE_API_KEY`` /
 ``--api-key-file`` / ``--metrics-auth`` go to the router (keys through its environment).
 
@@ -62,6 +63,7 @@ from services.index.redis_server import EmbeddedRedis
 from services.index.settings import add_redis_url_argument
 
 HOST = "127.0.0.1"
+TOKEN_FILE = "internal-token"  # in the log dir: the launch's internal token, mode 0600
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Run in each child before exec: die with the launcher (the setting survives execv).
 _DEATHSIG_SHIM = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
@@ -298,6 +300,7 @@ async def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve up: logs in {log_dir}", file=sys.stderr, flush=True)
+    write_token_file(log_dir / TOKEN_FILE, args.internal_token)
     # On this thread: the server dies with the thread that started it (PR_SET_PDEATHSIG).
     redis_server = None if args.colocated or args.redis_url else start_redis()
     if redis_server is not None:
@@ -321,6 +324,15 @@ def prepare_auth(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     args.internal_token = auth.token or secrets.token_urlsafe(32)
     args.internal_token_file = ""
     install_from_args(args, parser)
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """The launch's internal token, readable by its user only, for operator tools
+    (``pdserve health --internal-token-file``, a script reading GetStats)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode otherwise
+    with os.fdopen(fd, "w") as file:
+        file.write(token + "\n")
 
 
 def internal_auth_env(args: argparse.Namespace) -> dict[str, str]:

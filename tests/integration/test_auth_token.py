@@ -135,6 +135,8 @@ def test_the_token_travels_in_the_environment_only(cluster):
         argvs.append(Path(f"/proc/{pid}/cmdline").read_bytes())
     assert len(tokens) == 1 and len(next(iter(tokens))) >= 32  # one random token, every child
     token = next(iter(tokens))
+    token_file = cluster.log_dir / "internal-token"  # for operator tools, private to the user
+    assert token_file.read_bytes() == token + b"\n" and token_file.stat().st_mode & 0o777 == 0o600
     assert not any(token in argv for argv in argvs)
     assert not any(ENV_KEY.encode() in argv or FILE_KEY.encode() in argv for argv in argvs)
     logs = b"".join(p.read_bytes() for p in cluster.log_dir.glob("*.log"))

@@ -147,3 +147,14 @@ def test_ray_replicas_get_the_drivers_token_or_a_new_one():
     given = {"PDSERVE_INTERNAL_TOKEN": "tok", "PDSERVE_TLS_CA": "/etc/ca.pem", "PDSERVE_TLS_KEY": "",
              "HOME": "/root"}
     assert internal_auth_env(given) == {"PDSERVE_INTERNAL_TOKEN": "tok", "PDSERVE_TLS_CA": "/etc/ca.pem"}
+
+
+def test_the_launch_token_file_is_private(tmp_path):
+    path = tmp_path / launcher.TOKEN_FILE
+    path.write_text("old")
+    path.chmod(0o644)
+    launcher.write_token_file(path, "tok-abc")
+    assert path.read_text() == "tok-abc\n" and path.stat().st_mode & 0o777 == 0o600
+    parser = argparse.ArgumentParser()
+    add_internal_auth_arguments(parser, {})
+    assert InternalAuth.from_args(parser.parse_args(["--internal-token-file", str(path)])).token == "tok-abc"
