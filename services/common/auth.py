@@ -25,8 +25,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.settings import add_env_argument
+
 API_KEY_ENV = "PDSERVE_API_KEY"
-API_KEY_FILE_ENV = "PDSERVE_API_KEY_FILE"
 BEARER = "bearer"
 
 
@@ -99,12 +100,9 @@ def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a key clients must send as 'Authorization: Bearer KEY' (repeat for "
                              f"several; visible in ps, prefer the env or a file) [env: {API_KEY_ENV}, "
                              "comma-separated]")
-    parser.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
-                        help=f"a file with one key per line [env: {API_KEY_FILE_ENV}]")
-    parser.add_argument("--metrics-auth", action="store_true",
-                        default=os.environ.get("PDSERVE_METRICS_AUTH", "").lower() in ("1", "true", "yes", "on"),
-                        help="require a key for GET /metrics too (default: open, like /health) "
-                             "[env: PDSERVE_METRICS_AUTH]")
+    add_env_argument(parser, "--api-key-file", default="", help="a file with one key per line")
+    add_env_argument(parser, "--metrics-auth", action="store_true",
+                     help="require a key for GET /metrics too (default: open, like /health)")
 
 
 def api_keys_from(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> KeySet:
