@@ -21,9 +21,8 @@ import statistics
 import subprocess
 import time
 
-import grpc
-
 from loadtests import cluster as cluster_lib
+from services.common.channels import public_aio_channel
 from services.common.pb import generate_pb2, generate_pb2_grpc
 
 LONG_TEXT = ("In the beginning the committee met every Tuesday to discuss the harbour, the roads, "
@@ -52,7 +51,7 @@ async def one_request(stub, prompt: str, max_tokens: int) -> tuple[float, list[f
 async def workload(address: str, args) -> dict:
     short_ttft, long_ttft, itl = [], [], []
     stop_at = time.perf_counter() + args.duration_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with public_aio_channel(address, api_key=os.environ.get("PDSERVE_API_KEY", "").split(",")[0]) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         await one_request(stub, "Warm up.", 4)
 

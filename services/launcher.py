@@ -23,6 +23,13 @@ if ``up`` itself dies (Linux ``PR_SET_PDEATHSIG``), so nothing is orphaned.
 ``--transfer nixl`` (the default) falls back to grpc, with a warning, when NIXL cannot create
 a UCX agent here. UCX is pinned to loopback (``UCX_NET_DEVICES=lo``) unless already set.
 
+Security: ``up`` makes a random internal token per launch (``secrets.token_urlsafe``) and hands
+it to every child in ``PDSERVE_INTERNAL_TOKEN`` (never in argv, which ps shows), so only its own
+processes reach the workers and the kvstore (it is also written, mode 0600, to
+``<log dir>/internal-token`` for operator tools); ``--tls-cert/--tls-key/--tls-ca`` add mutual TLS
+(the paths go to the children as ``PDSERVE_TLS_*``). ``--api-key`` / ``PDSERVE_API_KEY`` /
+``--api-key-file`` / ``--metrics-auth`` go to the router (keys through its environment).
+
 Cores: by default every worker may use every core (``SHARED_CORES_SPIN_COUNT`` says why and
 what it measured); ``--pin-cores`` gives the prefill workers one part of the CPUs and the decode
 workers the rest, so a prefill never takes a decode step's core (tail ITL isolation, at the
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -42,17 +50,20 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.auth import add_api_key_arguments, api_key_argv, api_key_env, api_keys_from
 from services.common.engine_flags import add_engine_arguments, engine_args_from, engine_argv
 from services.common.grpc_server import DEFAULT_GRACE_S
 from services.common.health import SERVING, check_health
+from services.common.internal_auth import TOKEN_ENV, add_internal_auth_arguments, install_from_args
 from services.common.settings import add_env_argument
 from services.index.redis_server import EmbeddedRedis
 from services.index.settings import add_redis_url_argument
 
 HOST = "127.0.0.1"
+TOKEN_FILE = "internal-token"  # in the log dir: the launch's internal token, mode 0600
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Run in each child before exec: die with the launcher (the setting survives execv).
 _DEATHSIG_SHIM = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
@@ -86,8 +97,10 @@ class Child:
     grpc_address: str
     log_path: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's (e.g. API keys)
 
     def start(self, env: dict[str, str]) -> None:
+        env = {**env, **self.env}
         with open(self.log_path, "ab") as log:
             if sys.platform == "linux":
                 argv = [sys.executable, "-c", _DEATHSIG_SHIM, str(os.getpid()), *self.argv]
@@ -137,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM, seconds in-flight requests may still run")
     add_redis_url_argument(parser, "Redis of the prefix index, e.g. redis://10.0.0.5:6379/0 (default: "
                                    "start an embedded redis-server on a free loopback port)")
+    add_api_key_arguments(parser)
+    add_internal_auth_arguments(parser)
     add_engine_arguments(parser)
     return parser
 
@@ -198,7 +213,7 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
                     "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *kvstore_argv, *engine, *extra],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
-                   "--grpc-port", str(args.grpc_port), *index_argv, *engine]
+                   "--grpc-port", str(args.grpc_port), *index_argv, *api_key_argv(args), *engine]
     if args.colocated:
         router_argv.append("--colocated")
     else:
@@ -206,7 +221,8 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
             "--prefill", ",".join(w.grpc_address for w in workers if w.name.startswith("prefill")),
             "--decode", ",".join(w.grpc_address for w in workers if w.name.startswith("decode")),
             "--transfer", args.transfer]
-    router = Child("router", router_argv, f"{HOST}:{args.grpc_port}", log_dir / "router.log")
+    router = Child("router", router_argv, f"{HOST}:{args.grpc_port}", log_dir / "router.log",
+                   env=api_key_env(args, os.environ))
     return workers, router
 
 
@@ -232,7 +248,8 @@ async def wait_serving(child: Child, deadline: float, http_port: int | None = No
         if failure is not None:
             raise failure
         try:
-            if await check_health(child.grpc_address, timeout_s=1.0) == SERVING:
+            is_internal = http_port is None  # the router's gRPC port is its public one
+            if await check_health(child.grpc_address, timeout_s=1.0, is_internal=is_internal) == SERVING:
                 if http_port is None or await asyncio.to_thread(_http_ok, http_port):
                     return
                 last = "gRPC SERVING, HTTP /health not yet 200"
@@ -270,7 +287,7 @@ def stop_children(children: Sequence[Child], grace_s: float) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    env = dict(os.environ)
+    env = {**os.environ, **internal_auth_env(args)}
     env.setdefault("UCX_NET_DEVICES", "lo")
     if not args.colocated and not args.pin_cores:
         env.setdefault("GOMP_SPINCOUNT", SHARED_CORES_SPIN_COUNT)
@@ -283,6 +300,7 @@ async def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve up: logs in {log_dir}", file=sys.stderr, flush=True)
+    write_token_file(log_dir / TOKEN_FILE, args.internal_token)
     # On this thread: the server dies with the thread that started it (PR_SET_PDEATHSIG).
     redis_server = None if args.colocated or args.redis_url else start_redis()
     if redis_server is not None:
@@ -292,6 +310,40 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         if redis_server is not None:
             await asyncio.to_thread(redis_server.close)
+
+
+def prepare_auth(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Check the API keys (a bad one fails ``up`` before anything starts), set
+    ``args.internal_token`` to the user's token or a new random one (one per launch) and install
+    it in this process, which probes its children with it. Errors are ``parser.error``."""
+    try:
+        api_keys_from(args)
+    except ValueError as error:
+        parser.error(f"API keys: {error}")
+    auth = install_from_args(args, parser)
+    args.internal_token = auth.token or secrets.token_urlsafe(32)
+    args.internal_token_file = ""
+    install_from_args(args, parser)
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """The launch's internal token, readable by its user only, for operator tools
+    (``pdserve health --internal-token-file``, a script reading GetStats)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode otherwise
+    with os.fdopen(fd, "w") as file:
+        file.write(token + "\n")
+
+
+def internal_auth_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's internal credentials: ``args.internal_token`` (what ``--internal-token``,
+    its file or env gave, as installed in this process) or a new random token, and absolute
+    ``--tls-*`` paths. Environment only: argv shows in ps."""
+    env = {TOKEN_ENV: args.internal_token}
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, flag):
+            env[f"PDSERVE_{flag.upper()}"] = str(Path(getattr(args, flag)).resolve())
+    return env
 
 
 def start_redis() -> EmbeddedRedis | None:
@@ -367,7 +419,9 @@ async def _until_stopped(stop: asyncio.Event, work) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prepare_auth(args, parser)
     if args.prefill < 1 or args.decode < 1:
         build_parser().error("--prefill and --decode must be >= 1")
     if args.kvstore_gib < 0:

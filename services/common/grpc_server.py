@@ -10,6 +10,12 @@ Stopping (SIGTERM / SIGINT, or ``await server.stop()``): health turns NOT_SERVIN
 good, so routers stop picking this server; the server refuses new RPCs and lets in-flight
 ones finish for up to ``grace_s`` seconds, then cancels the rest. A second signal during
 the drain cancels at once.
+
+Access: an internal server (the default) takes the process's internal auth
+(services/common/internal_auth.py): mutual TLS when certificates are configured, the internal
+token checked on every call when one is; ``grpc.health.v1`` stays open to token-less probes.
+The router's public server passes ``public_api_keys`` instead: plaintext, and with keys every
+call but health needs ``authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,12 @@ from typing import Any
 
 import grpc
 
+from services.common import internal_auth
+from services.common.auth import KeySet, bearer_token
+from services.common.channels import server_credentials
+from services.common.grpc_auth import SecretInterceptor
 from services.common.health import HealthReporter
+from services.common.internal_auth import TOKEN_METADATA
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRACE_S = 10.0
@@ -82,16 +93,18 @@ class GrpcServer:
 async def start_grpc_server(servicers: Sequence[AddServicer], *, port: int = 0,
                             host: str = DEFAULT_HOST, service_names: Sequence[str] = (),
                             is_serving: bool = True,
-                            options: Sequence[tuple[str, Any]] = ()) -> GrpcServer:
+                            options: Sequence[tuple[str, Any]] = (),
+                            public_api_keys: KeySet | None = None) -> GrpcServer:
     """Create, bind and start a grpc.aio server with ``grpc.health.v1`` registered.
 
     ``servicers`` are ``(add_XServicer_to_server, servicer)`` pairs from the generated
     ``*_pb2_grpc`` modules; ``service_names`` (e.g. ``"pdserve.v1.DecodeService"``) get
     their own health entries. Pass ``is_serving=False`` if the service must finish loading
-    first, then ``await server.health.set_serving(True)``. Raises OSError if the address
-    cannot be bound.
+    first, then ``await server.health.set_serving(True)``. ``public_api_keys`` makes this a
+    public server (see the module docstring). Raises OSError if the address cannot be bound.
     """
-    server = grpc.aio.server(options=[
+    credentials, interceptors = _access(public_api_keys)
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),  # a taken port must fail, not be silently shared
@@ -102,7 +115,8 @@ async def start_grpc_server(servicers: Sequence[AddServicer], *, port: int = 0,
     health = HealthReporter(service_names)
     health.add_to_server(server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_insecure_port(f"{host}:{port}") if credentials is None
+                 else server.add_secure_port(f"{host}:{port}", credentials))
     except RuntimeError as exc:
         raise OSError(f"cannot bind gRPC server to {host}:{port} ({exc}); is the port in use?") from exc
     if bound == 0:
@@ -110,3 +124,16 @@ async def start_grpc_server(servicers: Sequence[AddServicer], *, port: int = 0,
     await server.start()
     await health.set_serving(is_serving)
     return GrpcServer(server=server, host=host, port=bound, health=health)
+
+
+def _access(public_api_keys: KeySet | None) -> tuple[grpc.ServerCredentials | None,
+                                                     list[grpc.aio.ServerInterceptor]]:
+    if public_api_keys is not None:
+        if not public_api_keys.is_enabled:
+            return None, []
+        return None, [SecretInterceptor(public_api_keys, "authorization", bearer_token, "API key")]
+    auth = internal_auth.current()
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if auth.token:
+        interceptors.append(SecretInterceptor(auth.accepted, TOKEN_METADATA, what="internal token"))
+    return server_credentials(auth), interceptors

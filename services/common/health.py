@@ -15,6 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from services.common.channels import internal_channel, public_aio_channel
+from services.common.internal_auth import InternalAuth
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -45,9 +48,14 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-async def check_health(address: str, service: str = OVERALL, timeout_s: float = 1.0) -> int:
-    """One Health.Check; returns the ServingStatus enum value. Raises grpc.aio.AioRpcError."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, service: str = OVERALL, timeout_s: float = 1.0,
+                       is_internal: bool = True, auth: InternalAuth | None = None) -> int:
+    """One Health.Check; returns the ServingStatus enum value. Raises grpc.aio.AioRpcError.
+
+    ``is_internal``: over an internal channel (mutual TLS when configured; ``auth``, default
+    the process's); False for a router's public port, which is plaintext."""
+    channel = internal_channel(address, auth=auth) if is_internal else public_aio_channel(address)
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         return reply.status

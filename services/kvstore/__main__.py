@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
+from services.common.internal_auth import add_internal_auth_arguments, install_from_args
 from services.common.metrics import add_metrics_argument
 from services.common.settings import add_env_argument
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
              "in this Redis, e.g. redis://127.0.0.1:6379/0 (empty: no index)")
     add(parser, "--index-heartbeat-s", type=float, default=2.0,
         help="seconds between index lease renewals")
+    add_internal_auth_arguments(parser)
     return parser
 
 
@@ -95,6 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    install_from_args(args, parser)
     if args.kvstore_gib <= 0:
         parser.error(f"--kvstore-gib must be > 0, got {args.kvstore_gib}")
     if not 0 < args.default_lease_ms <= args.max_lease_ms:

@@ -24,6 +24,7 @@ import torch
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion, KVTransferError, TransferState
+from services.common.channels import internal_channel
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import kvstore_pb2, kvstore_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
@@ -44,7 +45,7 @@ class KVStoreClient:
         self.lease_ms = lease_ms
         self.block_bytes = block_bytes_of(compat)
         self.num_failures = 0
-        self._channel = grpc.aio.insecure_channel(address, options=[
+        self._channel = internal_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),  # 4 MiB chunks + framing
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A restarted store is used again within a second (gRPC's default backoff grows

@@ -12,6 +12,7 @@ import asyncio
 import grpc
 
 from engine.kv_transfer.base import KVTransferError, RemoteInfo
+from services.common.channels import internal_channel
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import kv_pb2_grpc, worker_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
@@ -23,7 +24,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 class DecodePeer:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        self.channel = internal_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
         self._kv = kv_pb2_grpc.KVTransferServiceStub(self.channel)

@@ -24,6 +24,7 @@ from engine.kv_transfer.base import (
     check_send_args,
 )
 from engine.kv_transfer.packing import iter_chunks, pack_blocks
+from services.common.channels import internal_sync_channel
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import kv_pb2, kv_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
@@ -41,7 +42,7 @@ def fetch_remote_handshake(address: str, local: KVHandshake,
 
     Raises KVTransferError carrying the receiver's message (e.g. the differing fields).
     """
-    with grpc.insecure_channel(address) as channel:
+    with internal_sync_channel(address) as channel:
         try:
             reply = kv_pb2_grpc.KVTransferServiceStub(channel).Handshake(
                 handshake_to_proto(local), timeout=timeout_s)
@@ -117,7 +118,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
     def _channel(self, address: str) -> grpc.Channel:
         with self._channels_lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=[
+                self._channels[address] = internal_sync_channel(address, options=[
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
             return self._channels[address]
 

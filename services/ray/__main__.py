@@ -11,6 +11,12 @@
 
 Running it again with only ``num_replicas`` changed scales that deployment in place.
 
+Internal gRPC between the replicas' services carries ``PDSERVE_INTERNAL_TOKEN`` (this process's,
+or a random one made here) and, when set, mutual TLS from ``PDSERVE_TLS_CERT/KEY/CA`` (paths that
+must exist on every node): they reach every replica through the job's ``runtime_env`` env vars,
+never argv. Ray pickles its own actor arguments and handles; pdserve hands Ray no bytes from the
+network (requests are proxied over HTTP, KV moves worker to worker).
+
 Prints ``ready http=HOST:PORT`` once every replica is SERVING; SIGINT / SIGTERM shut the
 application down (each service drains) and leave Ray.
 """
@@ -18,10 +24,12 @@ application down (each service drains) and leave Ray.
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from services.common.settings import add_env_argument
@@ -38,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--http-port", type=int, default=8000, help="Serve's HTTP port")
     add(parser, "--app-name", default="pdserve", help="Serve application name")
     return parser
+
+
+def internal_auth_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What every replica's services need: the internal token (the caller's, else a new random
+    one) and the ``PDSERVE_TLS_*`` paths when set."""
+    env = {k: v for k, v in environ.items() if k.startswith("PDSERVE_TLS_") and v}
+    env["PDSERVE_INTERNAL_TOKEN"] = environ.get("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(32)
+    return env
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -59,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from services.ray.builder import build_pdserve_app
 
-    ray.init(address=args.address or None, include_dashboard=False)
+    ray.init(address=args.address or None, include_dashboard=False,
+             runtime_env={"env_vars": internal_auth_env(os.environ)})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -26,8 +26,10 @@ class ServiceProcess:
     serves gRPC on (``publish_host:port``)."""
 
     def __init__(self, name: str, argv: list[str], port_flags: tuple[str, ...], host: str,
-                 publish_host: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+                 publish_host: str, log_dir: Path, env: dict[str, str] | None = None,
+                 is_public: bool = False) -> None:
         self.name = name
+        self.is_public = is_public  # a router: its gRPC port is the public one (plaintext)
         self.ports = {flag: free_port() for flag in port_flags}
         flags = [word for flag, port in self.ports.items() for word in (flag, str(port))]
         self.argv = [*argv, "--host", host, *flags]
@@ -68,7 +70,8 @@ class ServiceProcess:
         if self.proc.poll() is not None:
             return False
         try:
-            return await check_health(self.local_address, timeout_s=2.0) == SERVING
+            return await check_health(self.local_address, timeout_s=2.0,
+                                      is_internal=not self.is_public) == SERVING
         except Exception:  # noqa: BLE001 - not answering is not serving
             return False
 

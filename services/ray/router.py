@@ -95,7 +95,7 @@ class RouterIngress:
         env = {"PDSERVE_REDIS_URL": self.args.redis_url} if self.args.redis_url else {}
         router = ServiceProcess(f"{self.replica_id}-{self.generation}", argv,
                                 ("--http-port", "--grpc-port"), "127.0.0.1", "127.0.0.1",
-                                self.log_dir, env)
+                                self.log_dir, env, is_public=True)
         try:
             await router.wait_serving(self.args.startup_timeout_s)
         except Exception:

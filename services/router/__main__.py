@@ -17,7 +17,9 @@ import asyncio
 import logging
 import sys
 
+from services.common.auth import add_api_key_arguments, api_keys_from
 from services.common.engine_flags import add_engine_arguments, engine_args_from
+from services.common.internal_auth import add_internal_auth_arguments, install_from_args
 from services.common.settings import add_env_argument
 from services.index.schema import IndexMetaMismatch
 from services.index.settings import add_redis_url_argument
@@ -48,8 +50,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="debug mode: tell each client how its request was routed and where its "
                           "TTFT went (HTTP headers / gRPC trailing metadata pdserve-route: "
                           "path/reason, pdserve-ttft-breakdown: stage=seconds,...)")
+    add_api_key_arguments(parser)
+    add_internal_auth_arguments(parser)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        args.api_keys = api_keys_from(args)
+    except ValueError as error:
+        parser.error(f"API keys: {error}")
+    install_from_args(args, parser)  # the router's channels to its workers
     if args.local_prefill_max_tokens < 0:
         parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
     if args.colocated and (args.prefill or args.decode):
@@ -74,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           model=args.model, max_model_len=args.max_model_len,
-                          drain_grace_s=args.drain_grace_s, debug_route=args.debug_route)
+                          drain_grace_s=args.drain_grace_s, debug_route=args.debug_route,
+                          api_keys=args.api_keys, metrics_auth=args.metrics_auth)
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
                             local_prefill_max_tokens=args.local_prefill_max_tokens)

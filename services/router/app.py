@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
+from services.common.auth import KeySet
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
 from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
@@ -23,6 +25,7 @@ from services.router.backend import Backend
 from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
 from services.router.grpc_frontend import GenerateServicer
+from services.router.http_auth import HttpAuth
 from services.router.openai_http import HttpServer, start_http_server
 from services.worker.stats import WorkerStatsServicer
 
@@ -39,6 +42,8 @@ class RouterConfig:
     max_model_len: int | None = None
     drain_grace_s: float = 10.0
     debug_route: bool = False  # answer each request's route and TTFT breakdown in headers / trailers
+    api_keys: KeySet = KeySet()  # empty: HTTP and gRPC open (services/router/http_auth.py)
+    metrics_auth: bool = False  # GET /metrics needs a key too
 
 
 class Router:
@@ -64,9 +69,14 @@ class Router:
                                                   backend.engine_args)))
             names.append(WORKER_SERVICE_NAME)
         self.grpc = await start_grpc_server(servicers, port=config.grpc_port, host=config.host,
-                                            service_names=names, is_serving=False)
+                                            service_names=names, is_serving=False,
+                                            public_api_keys=config.api_keys)
         self.http = await start_http_server(self.state, config.host, config.http_port,
-                                            config.drain_grace_s)
+                                            config.drain_grace_s,
+                                            HttpAuth(config.api_keys, config.metrics_auth))
+        if not config.api_keys.is_enabled and not is_loopback(config.host):
+            log.warning("no API key configured and the router binds %s: anyone who can reach "
+                        "it can use it (set PDSERVE_API_KEY or --api-key-file)", config.host)
         await backend.start()
         frontend = await asyncio.to_thread(self._build_frontend)
         self.state.metrics.set_model(frontend.model.name)
@@ -125,6 +135,16 @@ class Router:
         with contextlib.suppress(asyncio.CancelledError):
             await self.stop()
         log.info("router stopped")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``; a name or a wildcard is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,

@@ -2,6 +2,7 @@
 
     pdserve generate "The capital of France is" --stream --max-tokens 32
     pdserve generate "Say hi" --chat --temperature 0.7 --seed 1 --address 127.0.0.1:50051
+    PDSERVE_API_KEY=sk-... pdserve generate "Hello"   # a router with API keys (or --api-key)
 
 Prints the completion (as it arrives with ``--stream``); the token counts go to stderr, and with
 ``--timings`` the request's route and TTFT breakdown by stage (a router started with
@@ -16,6 +17,7 @@ import sys
 
 import grpc
 
+from services.common.channels import public_channel
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.settings import add_env_argument
 from services.router.frontend import ROUTE_HEADER
@@ -37,6 +39,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--timings", action="store_true",
                      help="print the route and TTFT breakdown by stage to stderr (the router "
                           "must run with --debug-route)")
+    add_env_argument(parser, "--api-key", default="",
+                     help="the router's API key, sent as 'authorization: Bearer KEY' (a "
+                          "comma-separated list: the first; prefer the env, argv shows in ps)")
     return parser.parse_args(argv)
 
 
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --seed must be >= 0, got {args.seed}")
     text: list[str] = []
     usage, finish = None, ""
-    with grpc.insecure_channel(args.address) as channel:
+    with public_channel(args.address, api_key=args.api_key.split(",")[0].strip()) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         try:
             call = stub.Generate(build_request(args), timeout=args.timeout)

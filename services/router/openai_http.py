@@ -25,6 +25,7 @@ from aiohttp import web
 from services.common.metrics import CONTENT_TYPE, render
 from services.router.backend import BackendError, Overloaded
 from services.router.frontend import Frontend, Generation, InvalidRequest, RouterState, debug_headers
+from services.router.http_auth import OPEN, HttpAuth, require_api_key
 from services.router.openai_protocol import (
     OpenAIRequest,
     error_body,
@@ -56,7 +57,7 @@ class HttpServer:
 
 
 async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: int = 0,
-                            drain_grace_s: float = 10.0) -> HttpServer:
+                            drain_grace_s: float = 10.0, auth: HttpAuth = OPEN) -> HttpServer:
     """Bind ``host:port`` (0: any free port, see ``.port``) and serve. OSError if taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -66,16 +67,18 @@ async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: i
     except OSError as error:
         sock.close()
         raise OSError(f"cannot bind HTTP server to {host}:{port} ({error}); is the port in use?") from error
-    runner = web.AppRunner(build_app(state), handler_cancellation=True,
+    runner = web.AppRunner(build_app(state, auth), handler_cancellation=True,
                            shutdown_timeout=drain_grace_s, access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return HttpServer(runner, host, sock.getsockname()[1])
 
 
-def build_app(state: RouterState) -> web.Application:
+def build_app(state: RouterState, auth: HttpAuth = OPEN) -> web.Application:
+    """The routes; ``auth``: API keys (services/router/http_auth.py), checked before anything else."""
     handlers = _Handlers(state)
-    app = web.Application(middlewares=[_errors, _count_rejections(state)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[require_api_key(auth), _errors, _count_rejections(state)],
+                          client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.channels import internal_channel
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.router.policy import WorkerLoad
@@ -61,7 +62,7 @@ class Worker:
 
     def connect(self) -> None:
         """Open the channel; must run on the event loop that will use it (grpc.aio binds it)."""
-        self.channel = grpc.aio.insecure_channel(self.address, options=[
+        self.channel = internal_channel(self.address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)

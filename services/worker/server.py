@@ -27,6 +27,7 @@ from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
 from services.common.grpc_server import AddServicer, start_grpc_server
+from services.common.internal_auth import install_from_args
 from services.common.metrics import MetricsServer, start_metrics_server
 from services.common.pb import worker_pb2_grpc
 from services.common.wire import WORKER_SERVICE_NAME, transfer_methods
@@ -170,6 +171,7 @@ def run_worker(argv: Sequence[str] | None, parser: argparse.ArgumentParser, role
     import asyncio
 
     args = parser.parse_args(argv)
+    install_from_args(args, parser)  # internal gRPC: mTLS / token for its server and channels
     configure_logging(role, args.log_level)
     async def main() -> None:
         runtime = await start_runtime(args, role)

@@ -11,6 +11,7 @@ import os
 from engine.config import Role
 from services.common.engine_flags import add_engine_arguments
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
+from services.common.internal_auth import add_internal_auth_arguments
 from services.common.metrics import add_metrics_argument
 from services.common.settings import add_env_argument
 from services.index.settings import add_publisher_arguments
@@ -40,6 +41,7 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
     add(parser, "--kvstore-lookup-ms", type=float, default=5.0,
         help="a kvstore lookup not answered within this many ms is a miss")
     add_publisher_arguments(parser)
+    add_internal_auth_arguments(parser)
     add_engine_arguments(parser)
     return parser
 

@@ -22,7 +22,9 @@ import grpc
 import pytest
 
 from engine.args import EngineArgs
+from services.common.channels import internal_sync_channel
 from services.common.engine_flags import engine_argv, parse_engine_argv
+from services.common.internal_auth import InternalAuth
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.cluster_fixtures import free_port
 
@@ -35,6 +37,9 @@ FLAGS = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=64_000_000,
                    spec_k=3, spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5,
                    cpu_offload_gb=0.25,
                    weight_format="auto")  # with bfloat16: the fp32 weights
+
+
+TOKEN = "engine-flags-test-token"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +56,7 @@ def running_up(log_dir: Path, *up_flags: str) -> Iterator[str]:
     at the end SIGTERMs it and checks it drained and exited 0."""
     http_port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env["PDSERVE_INTERNAL_TOKEN"] = TOKEN  # so this test may read its workers' stats
     with open(log_dir / "up.stderr", "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--http-port", str(http_port),
@@ -76,7 +82,7 @@ def worker_address(log_dir: Path, name: str) -> str:
 
 
 def assert_engine_built_from(address: str, role: str, flags: EngineArgs) -> None:
-    with grpc.insecure_channel(address) as channel:
+    with internal_sync_channel(address, auth=InternalAuth(token=TOKEN)) as channel:
         stats = worker_pb2_grpc.WorkerServiceStub(channel).GetStats(
             worker_pb2.GetStatsRequest(), timeout=10)
     assert parse_engine_argv(stats.engine_argv) == flags, (role, list(stats.engine_argv))

@@ -95,3 +95,19 @@ def test_dockerfile_is_non_root_with_the_serve_entrypoint() -> None:
     assert users and all(not u.startswith(("root", "0")) for u in users)
     assert 'ENTRYPOINT ["pdserve", "serve"]' in lines
     assert "ARG VARIANT=cpu" in lines and "FROM base-${VARIANT} AS image" in lines
+
+
+def test_secrets_come_from_the_hosts_environment() -> None:
+    """The internal token reaches every pdserve service and the API key the router, each
+    interpolated from the host's variable: nothing secret is written in the file."""
+    raw = (REPO / "docker-compose.yml").read_text()
+    assert 'PDSERVE_INTERNAL_TOKEN: "${PDSERVE_INTERNAL_TOKEN:-}"' in raw
+    assert 'PDSERVE_API_KEY: "${PDSERVE_API_KEY:-}"' in raw
+    unset = load_compose()["services"]  # quoted: an unset variable is "", not YAML's null
+    assert unset["router"]["environment"]["PDSERVE_API_KEY"] == ""
+    assert unset["prefill"]["environment"]["PDSERVE_INTERNAL_TOKEN"] == ""
+    compose = load_compose({"PDSERVE_INTERNAL_TOKEN": "tok", "PDSERVE_API_KEY": "sk-1"})
+    pdserve = {n: s for n, s in compose["services"].items() if "pdserve" in str(s.get("image", ""))}
+    assert {n: s["environment"]["PDSERVE_INTERNAL_TOKEN"] for n, s in pdserve.items()} == dict.fromkeys(pdserve, "tok")
+    assert [n for n, s in pdserve.items() if "PDSERVE_API_KEY" in s["environment"]] == ["router"]
+    assert compose["services"]["router"]["environment"]["PDSERVE_API_KEY"] == "sk-1"

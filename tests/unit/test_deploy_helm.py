@@ -164,9 +164,33 @@ def test_api_key_is_a_secret_reference_never_inlined() -> None:
     ref = env_of(containers(router)[0])["PDSERVE_API_KEY"]["secretKeyRef"]
     assert ref == {"name": f"{RELEASE}-pdserve-api-key", "key": "api-key"}
     existing = render(VARIANTS["init-model-existing-key"])
-    assert not by_kind(existing, "Secret")
+    assert set(by_kind(existing, "Secret")) == {f"{RELEASE}-pdserve-internal-token"}  # no API-key one
     router = by_kind(existing, "Deployment")[f"{RELEASE}-pdserve-router"]
     assert env_of(containers(router)[0])["PDSERVE_API_KEY"]["secretKeyRef"]["name"] == "team-key"
+
+
+def test_every_pod_reads_the_internal_token_from_a_secret() -> None:
+    """Created with a random value (never from values), or an existing Secret referenced."""
+    for overrides, secret_name in (({}, f"{RELEASE}-pdserve-internal-token"),
+                                   ({"internalToken": {"existingSecret": "cluster-token", "key": "t"}},
+                                    "cluster-token")):
+        manifests = render(overrides)
+        secrets = by_kind(manifests, "Secret")
+        if overrides:
+            assert secret_name not in secrets
+        else:
+            token = secrets[secret_name]["data"]["internal-token"]
+            assert len(token) >= 48 and "stringData" not in secrets[secret_name]
+            assert token != by_kind(render(overrides), "Secret")[secret_name]["data"]["internal-token"]
+        key = overrides.get("internalToken", {}).get("key", "internal-token")
+        for kind in ("Deployment", "StatefulSet", "DaemonSet"):
+            for name, workload in by_kind(manifests, kind).items():
+                if name.endswith("-redis"):
+                    continue
+                ref = env_of(containers(workload)[0])["PDSERVE_INTERNAL_TOKEN"]["secretKeyRef"]
+                assert ref == {"name": secret_name, "key": key}, name
+    with pytest.raises(Exception, match="internalToken"):
+        render({"internalToken": {"value": "inlined"}})  # the schema has no place for one
 
 
 def test_model_sources_mount_models() -> None:

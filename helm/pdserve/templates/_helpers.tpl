@@ -35,6 +35,10 @@ redis://{{ include "pdserve.fullname" . }}-redis:6379/0
 {{- end -}}
 {{- end -}}
 
+{{- define "pdserve.internalTokenSecret" -}}
+{{ .Values.internalToken.existingSecret | default (printf "%s-internal-token" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
 {{- define "pdserve.apiKeySecret" -}}
 {{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "pdserve.fullname" .)) }}
 {{- end -}}
@@ -72,6 +76,11 @@ redis://{{ include "pdserve.fullname" . }}-redis:6379/0
   value: {{ .Values.drainGraceSeconds | quote }}
 - name: PDSERVE_REDIS_URL
   value: {{ include "pdserve.redisUrl" . | quote }}
+- name: PDSERVE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.internalTokenSecret" . }}
+      key: {{ .Values.internalToken.key }}
 {{- if .Values.ucxNetDevices }}
 - name: UCX_NET_DEVICES
   value: {{ .Values.ucxNetDevices | quote }}
