@@ -4,7 +4,10 @@ both. tests/unit/test_dashboards.py parses every expression with a PromQL parser
 metric names; the slow cluster test checks them against a live scrape.
 
 Every dashboard has a ``datasource`` variable (no hard-coded datasource) and a ``model_name``
-variable; no query names an instance. Percentiles come from the histograms' buckets.
+variable; no query names an instance. Percentiles come from the histograms' buckets. The SLO
+tiles read the recording rules of helm/pdserve/prometheus/pdserve-rules.yml (``pdserve:*``
+series: p99 TTFT at the router, p99 TPOT on decode workers, goodput); their thresholds are the
+default targets (``SLO_TTFT_S``, ``SLO_TPOT_S``, Helm's ``slo`` values).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parents[2] / "helm" / "pdserve" / "dashboards"
+SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.1  # services/router/metrics.py's defaults (Helm values: slo)
 RATE = "$__rate_interval"
 W = '{model_name=~"$model_name"}'  # worker (vLLM) names
 F = '{model=~"$model_name"}'  # router (Dynamo) names
@@ -59,11 +63,14 @@ class Board:
         self.panels.append(panel)
         self.x += width
 
-    def slo(self, title: str, expr: str, yellow: float, red: float) -> None:
-        self.panel(title, [q(expr)], "stat", "s", width=6, height=5, fieldConfig={"defaults": {
-            "unit": "s", "thresholds": {"mode": "absolute", "steps": [
-                {"color": "green", "value": None}, {"color": "yellow", "value": yellow},
-                {"color": "red", "value": red}]}}, "overrides": []})
+    def slo(self, title: str, expr: str, yellow: float, red: float, unit: str = "s", width: int = 6) -> None:
+        """A stat tile: green below ``yellow``, then yellow, red from ``red`` (reversed when
+        ``red`` < ``yellow``: a share that should stay high)."""
+        low, high = ("green", "red") if red > yellow else ("red", "green")
+        steps = [{"color": low, "value": None}, {"color": "yellow", "value": min(yellow, red)},
+                 {"color": high, "value": max(yellow, red)}]
+        self.panel(title, [q(expr)], "stat", unit, width=width, height=5, fieldConfig={"defaults": {
+            "unit": unit, "thresholds": {"mode": "absolute", "steps": steps}}, "overrides": []})
 
     def model(self) -> dict[str, Any]:
         return {
@@ -83,12 +90,15 @@ class Board:
 
 def vllm_model() -> Board:
     b = Board("pdserve-vllm", "pdserve / vLLM model view")
-    b.slo("TTFT p99 (SLO)", pct("vllm:time_to_first_token_seconds", W), 1.0, 2.0)
-    b.slo("TPOT p99 (SLO)", pct("vllm:request_time_per_output_token_seconds", W), 0.1, 0.2)
+    b.slo("TTFT p99 (SLO)", f"max(pdserve:frontend_ttft_seconds:p99_5m{F})", SLO_TTFT_S, 2 * SLO_TTFT_S,
+          width=5)
+    b.slo("TPOT p99 (SLO)", f"max(pdserve:tpot_seconds:p99_5m{W})", SLO_TPOT_S, 2 * SLO_TPOT_S, width=5)
+    b.slo("Goodput (TTFT and TPOT met)", f"min(pdserve:goodput:ratio_5m{F})", 0.99, 0.9, "percentunit",
+          width=5)
     b.panel("Requests finished / s", [q(f"sum(rate(vllm:request_success_total{W}[{RATE}]))", "finished")],
-            "stat", "reqps", width=6, height=5)
+            "stat", "reqps", width=5, height=5)
     b.panel("KV cache usage (max over workers)", [q(f"max(vllm:kv_cache_usage_perc{W})")], "stat", "percentunit",
-            width=6, height=5)
+            width=4, height=5)
     b.panel("E2E request latency", quantiles("vllm:e2e_request_latency_seconds", W), unit="s")
     b.panel("Token throughput", [q(f"sum(rate(vllm:prompt_tokens_total{W}[{RATE}]))", "prompt tokens/s"),
                                  q(f"sum(rate(vllm:generation_tokens_total{W}[{RATE}]))", "generation tokens/s")])
@@ -152,10 +162,18 @@ def disaggregation() -> Board:
             fieldConfig={"defaults": {"unit": "s", "custom": {"stacking": {"mode": "normal"}}}, "overrides": []})
     b.panel("P/D decision mix", [q(f"sum by (path, reason) (rate(pdserve_route_decisions_total[{RATE}]))",
                                    "{{path}} {{reason}}")], width=12)
-    b.panel("KV bytes sent / s", [q(f"sum by (worker) (rate(pdserve_kv_transfer_bytes_sent_total{p}[{RATE}]))",
-                                    "{{worker}}")], unit="Bps", width=12)
+    b.panel("KV bytes sent and saved by delta / s", [
+        q(f"sum by (worker) (rate(pdserve_kv_transfer_bytes_sent_total{p}[{RATE}]))", "sent {{worker}}"),
+        q(f"sum by (worker) (rate(pdserve_kv_transfer_bytes_saved_total{p}[{RATE}]))", "saved {{worker}}")],
+        unit="Bps", width=12)
     b.panel("Blocks sent vs saved by delta transfer", [
         q(f"sum by (kind) (rate(pdserve_kv_transfer_blocks_total{p}[{RATE}]))", "{{kind}}")], width=12)
+    b.panel("KV transfer time by transport", [
+        mean("pdserve_kv_transfer_seconds", p, by="transport", legend="mean {{transport}}"),
+        q(pct("pdserve_kv_transfer_seconds", p).replace("by (le)", "by (le, transport)"), "p99 {{transport}}")],
+        unit="s", width=12)
+    b.panel("KV transfer failures / s", [
+        q(f"sum by (transport) (rate(pdserve_kv_transfer_failures_total{p}[{RATE}]))", "{{transport}}")], width=12)
     b.panel("KV blocks per worker", [q(f"max by (worker, num_gpu_blocks, block_size) (vllm:cache_config_info{W})",
                                        "{{worker}}: {{num_gpu_blocks}} x {{block_size}}", "table")], "table", width=24)
     return b
@@ -180,6 +198,13 @@ def prefix_tiers() -> Board:
     b.panel("Load failures per tier / s", [q(f"sum by (tier) (rate(pdserve_kv_load_failures_total{W}[{RATE}]))",
                                              "{{tier}}")])
     b.panel("Index fallbacks / s", [q(f"sum by (reason) (rate(pdserve_index_fallback_total[{RATE}]))", "{{reason}}")])
+    b.panel("Index fallback rate (share of routed requests)", [q(
+        f"sum(rate(pdserve_index_fallback_total[{RATE}])) / sum(rate(pdserve_route_decisions_total[{RATE}]))",
+        "fallback")], unit="percentunit")
+    b.panel("Index resyncs / s (snapshots by cause)", [
+        q(f"sum by (reason) (rate(pdserve_index_resync_total{W}[{RATE}]))", "{{reason}}")])
+    b.panel("Index apply results / s", [
+        q(f"sum by (result) (rate(pdserve_index_apply_total{W}[{RATE}]))", "{{result}}")])
     b.panel("Host tier traffic", [q(f"sum(rate(vllm:kv_offload_store_bytes_total{W}[{RATE}]))", "offloaded"),
                                   q(f"sum(rate(vllm:kv_offload_load_bytes_total{W}[{RATE}]))", "loaded")], unit="Bps")
     b.panel("kvstore occupancy", [q("sum(pdserve_kvstore_used_bytes) / sum(pdserve_kvstore_capacity_bytes)")],

@@ -24,6 +24,7 @@ from services.common.settings import add_env_argument
 from services.index.schema import IndexMetaMismatch
 from services.index.settings import add_redis_url_argument
 from services.router.app import RouterConfig, build_backend, run_router
+from services.router.metrics import SLO_TPOT_S, SLO_TTFT_S
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -50,10 +51,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="debug mode: tell each client how its request was routed and where its "
                           "TTFT went (HTTP headers / gRPC trailing metadata pdserve-route: "
                           "path/reason, pdserve-ttft-breakdown: stage=seconds,...)")
+    add_env_argument(parser, "--slo-ttft-s", type=float, default=SLO_TTFT_S,
+                     help="goodput's TTFT target in seconds (pdserve_requests_slo_met_total)")
+    add_env_argument(parser, "--slo-tpot-s", type=float, default=SLO_TPOT_S,
+                     help="goodput's time-per-output-token target in seconds")
     add_api_key_arguments(parser)
     add_internal_auth_arguments(parser)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    for flag, target in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-tpot-s", args.slo_tpot_s)):
+        if not target > 0:
+            parser.error(f"{flag} must be a positive number of seconds, got {target}")
     try:
         args.api_keys = api_keys_from(args)
     except ValueError as error:
@@ -84,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     config = RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           model=args.model, max_model_len=args.max_model_len,
                           drain_grace_s=args.drain_grace_s, debug_route=args.debug_route,
-                          api_keys=args.api_keys, metrics_auth=args.metrics_auth)
+                          api_keys=args.api_keys, metrics_auth=args.metrics_auth,
+                          slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s)
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
                             local_prefill_max_tokens=args.local_prefill_max_tokens)

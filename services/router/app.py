@@ -26,6 +26,7 @@ from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
 from services.router.grpc_frontend import GenerateServicer
 from services.router.http_auth import HttpAuth
+from services.router.metrics import SLO_TPOT_S, SLO_TTFT_S
 from services.router.openai_http import HttpServer, start_http_server
 from services.worker.stats import WorkerStatsServicer
 
@@ -44,6 +45,8 @@ class RouterConfig:
     debug_route: bool = False  # answer each request's route and TTFT breakdown in headers / trailers
     api_keys: KeySet = KeySet()  # empty: HTTP and gRPC open (services/router/http_auth.py)
     metrics_auth: bool = False  # GET /metrics needs a key too
+    slo_ttft_s: float = SLO_TTFT_S  # goodput's targets (RouterMetrics.set_slo)
+    slo_tpot_s: float = SLO_TPOT_S
 
 
 class Router:
@@ -52,6 +55,7 @@ class Router:
     def __init__(self, config: RouterConfig, backend: Backend) -> None:
         self.config = config
         self.state = RouterState(backend)
+        self.state.metrics.set_slo(config.slo_ttft_s, config.slo_tpot_s)
         backend.attach_metrics(self.state.metrics)
         self.state.debug_route = config.debug_route
         self.http: HttpServer | None = None

@@ -5,6 +5,13 @@
     timer.on_event(num_new_tokens)               # every backend event (first one: TTFT)
     timer.on_finished("success" | "error" | "cancelled", num_output_tokens, num_cached_tokens)
     metrics.reject("invalid")                    # a request refused before it started
+    metrics.set_slo(ttft_s=1.0, tpot_s=0.1)      # goodput's targets (--slo-ttft-s, --slo-tpot-s)
+
+Goodput: a request that finished with ``success``, whose TTFT (sent to first event) and TPOT
+((last event - first event) / (output tokens - 1); 0 for one token) both met their targets,
+counts in ``pdserve_requests_slo_met_total{model}``; the rules file divides it by the requests
+that were not cancelled (``dynamo_frontend_requests_total``). The targets are exported as
+``pdserve_slo_target_seconds{target="ttft"|"tpot"}``.
 
 For the routing code (services/router/disaggregated.py, the policies): ``metrics.stages``
 (``StageRecorder``) and ``metrics.routing`` (``RoutingRecorder``) take what only that code sees,
@@ -33,7 +40,10 @@ from services.common.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, TTFT_BUCKE
 STAGES = ("router_queue", "index_lookup", "prefill_queue", "prefill_compute", "kv_transfer",
           "decode_admit")
 STATUSES = ("success", "error", "cancelled")
+# IndexClient's fallback reasons: zero series from the start
+INDEX_FALLBACK_REASONS = ("breaker_open", "meta_mismatch", "timeout", "error")
 REJECT_REASONS = ("auth", "overload", "invalid")
+SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.1  # default goodput targets (the dashboards' SLO thresholds)
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,10 @@ class RouterMetrics:
     rejected: Counter
     stages: StageRecorder
     routing: RoutingRecorder
+    slo_met: Counter
+    slo_target: Gauge
+    slo_ttft_s: float = SLO_TTFT_S
+    slo_tpot_s: float = SLO_TPOT_S
 
     @classmethod
     def create(cls, model_name: str = "") -> RouterMetrics:
@@ -125,9 +139,15 @@ class RouterMetrics:
                           buckets=LATENCY_BUCKETS_S),
                 Counter("pdserve_index_fallback", "Routing without the index, by reason.", ("reason",),
                         registry=r)),
+            Counter("pdserve_requests_slo_met", "Successful requests that met both the TTFT and the "
+                    "TPOT target (goodput).", model, registry=r),
+            Gauge("pdserve_slo_target_seconds", "Goodput's targets (s).", ("target",), registry=r),
         )
         for reason in REJECT_REASONS:
             metrics.rejected.labels(reason)
+        for reason in INDEX_FALLBACK_REASONS:
+            metrics.routing.index_fallbacks.labels(reason)
+        metrics.set_slo(SLO_TTFT_S, SLO_TPOT_S)
         metrics.set_model(model_name)
         return metrics
 
@@ -138,6 +158,15 @@ class RouterMetrics:
                 self.requests.labels(model_name, request_type, status)
         self.inflight.labels(model_name)
         self.queued.labels(model_name)
+        self.slo_met.labels(model_name)
+
+    def set_slo(self, ttft_s: float, tpot_s: float) -> None:
+        """Goodput's targets in seconds (ValueError unless both are positive)."""
+        if not (ttft_s > 0 and tpot_s > 0):
+            raise ValueError(f"SLO targets must be positive seconds, got ttft={ttft_s} tpot={tpot_s}")
+        self.slo_ttft_s, self.slo_tpot_s = ttft_s, tpot_s
+        self.slo_target.labels("ttft").set(ttft_s)
+        self.slo_target.labels("tpot").set(tpot_s)
 
     def request(self, num_prompt_tokens: int, is_stream: bool = True) -> RequestTimer:
         return RequestTimer(self, num_prompt_tokens, "stream" if is_stream else "unary")
@@ -191,3 +220,8 @@ class RequestTimer:
         m.input_tokens.labels(model).observe(self.num_prompt_tokens)
         m.output_tokens.labels(model).observe(num_output_tokens)
         m.cached_tokens.labels(model).observe(num_cached_tokens)
+        if status == "success" and self.last_event_at is not None:
+            first_at = self.sent_at + self.ttft_s
+            tpot_s = (self.last_event_at - first_at) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
+            if self.ttft_s <= m.slo_ttft_s and tpot_s <= m.slo_tpot_s:
+                m.slo_met.labels(model).inc()

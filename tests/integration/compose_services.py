@@ -15,7 +15,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
-PORT_VARS = ("PDSERVE_PORT", "PDSERVE_HTTP_PORT", "PDSERVE_GRPC_PORT")
+PORT_VARS = ("PDSERVE_PORT", "PDSERVE_HTTP_PORT", "PDSERVE_GRPC_PORT", "PDSERVE_METRICS_PORT")
 # Compose interpolation: ``$$`` is a literal ``$``; ``${VAR}`` / ``${VAR:-default}`` a variable.
 _INTERPOLATION = re.compile(r"\$\$|\$\{(?P<name>[A-Z0-9_]+)(:-(?P<default>[^}]*))?\}")
 

@@ -33,7 +33,7 @@ from tests.integration.cluster_fixtures import (
     wait_all_blocks_free,
     wait_serving,
 )
-from tests.unit.test_dashboards import dashboard_metric_names
+from tests.unit.test_dashboards import scraped_names_used
 
 pytestmark = pytest.mark.slow
 NAMES_FILE = Path(__file__).with_name("metrics_names.txt")
@@ -236,7 +236,7 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
                 assert all(s.value >= 0 for s in samples), (role, name, samples)
 
     names = set().union(*(exposed_names(families) for families in scraped.values()))
-    used = dashboard_metric_names()
+    used = scraped_names_used()
     assert used and used <= names, sorted(used - names)
     if os.environ.get("PDSERVE_WRITE_METRIC_NAMES") == "1":
         NAMES_FILE.write_text("\n".join(sorted(n for n in names if n.startswith(("vllm:", "dynamo_", "pdserve_"))

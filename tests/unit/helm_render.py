@@ -12,7 +12,7 @@ import yaml
 CHART = Path(__file__).resolve().parents[2] / "helm" / "pdserve"
 RELEASE, NAMESPACE = "rel", "serving"
 # Custom resources whose schemas kubernetes-validate does not ship (their CRDs are not core).
-CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
+CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk is not installed (`make test` installs it with .[dev])")

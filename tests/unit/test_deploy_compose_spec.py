@@ -89,6 +89,27 @@ def test_grafana_mounts_the_charts_dashboards() -> None:
         assert (REPO / source).exists(), source
 
 
+def test_prometheus_scrapes_every_metrics_port_and_loads_the_charts_rules() -> None:
+    """Every pdserve service with a metrics port is a scrape target (the router on its HTTP port),
+    and Prometheus mounts the one rules file the Helm chart ships too."""
+    import yaml
+
+    compose = load_compose()
+    prometheus = compose["services"]["prometheus"]
+    mounts = dict(v.split(":")[:2] for v in prometheus["volumes"])
+    assert "./deploy/compose/prometheus.yml" in mounts
+    config = yaml.safe_load((REPO / "deploy" / "compose" / "prometheus.yml").read_text())
+    assert mounts["./helm/pdserve/prometheus/pdserve-rules.yml"] in config["rule_files"]
+    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    for name, spec in compose["services"].items():
+        env = spec.get("environment", {})
+        if name in PDSERVE_SERVICES and "PDSERVE_METRICS_PORT" in env:
+            assert f"{name}:{env['PDSERVE_METRICS_PORT']}" in targets, name
+    expected = {"kvstore", "prefill", "decode", "decode-2"}
+    assert {n for n in PDSERVE_SERVICES if "PDSERVE_METRICS_PORT" in compose["services"][n]["environment"]} == expected
+    assert f"router:{compose['services']['router']['environment']['PDSERVE_HTTP_PORT']}" in targets
+
+
 def test_dockerfile_is_non_root_with_the_serve_entrypoint() -> None:
     lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()]
     users = [line.split()[1] for line in lines if line.startswith("USER ")]

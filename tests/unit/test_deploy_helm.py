@@ -137,6 +137,28 @@ def test_keda_scales_workers_on_queue_and_kv_usage() -> None:
         {p["name"] for p in router_service["spec"]["ports"]}
 
 
+def test_monitoring_scrapes_every_metrics_pod_and_ships_the_recording_rules() -> None:
+    """Workers and the kvstore carry the PodMonitor's label and port; the PrometheusRule is the
+    rules file docker-compose mounts (one copy); the router gets goodput's targets."""
+    import yaml
+
+    manifests = render({"serviceMonitor": {"enabled": True}, "slo": {"ttftSeconds": 2.5, "tpotSeconds": 0.2}})
+    (monitor,) = by_kind(manifests, "PodMonitor").values()
+    port_name = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    scraped = set()
+    for kind in ("StatefulSet", "DaemonSet"):
+        for name, workload in by_kind(manifests, kind).items():
+            if workload["spec"]["template"]["metadata"]["labels"].get("pdserve.io/metrics") == "true":
+                assert port_name in {p["name"] for p in containers(workload)[0]["ports"]}, name
+                scraped.add(name)
+    assert scraped == {f"{RELEASE}-pdserve-{role}" for role in ("prefill", "decode", "kvstore")}
+    (rule,) = by_kind(manifests, "PrometheusRule").values()
+    assert rule["spec"] == yaml.safe_load((CHART / "prometheus" / "pdserve-rules.yml").read_text())
+    env = env_of(containers(by_kind(manifests, "Deployment")[f"{RELEASE}-pdserve-router"])[0])
+    assert (env["PDSERVE_SLO_TTFT_S"], env["PDSERVE_SLO_TPOT_S"]) == ("2.5", "0.2")
+    assert not by_kind(render(), "PrometheusRule")  # only with serviceMonitor.enabled
+
+
 def test_external_redis_renders_no_redis_and_passes_the_url() -> None:
     manifests = render(VARIANTS["external-redis"])
     assert not [m for m in manifests if m["metadata"]["name"].endswith("-redis")]
