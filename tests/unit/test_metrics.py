@@ -166,3 +166,23 @@ def test_transfer_metrics_per_transport_and_the_nixl_names():
     assert s[("vllm:nixl_bytes_transferred_sum", key)] == 8192
     assert s[("vllm:nixl_num_failed_transfers_total", key)] == 1
     TransferMetrics.disabled().done("grpc", 0.1, 1)  # metrics off: records nothing, no error
+
+
+def test_metrics_server_keeps_vllm_colons_whatever_prometheus_accepts():
+    """Prometheus asks for OpenMetrics first; prometheus_client's OpenMetrics writer turns ':' into
+    '_' in sample names, so the server answers the text format: vllm:* names stay intact."""
+    from prometheus_client import Counter
+
+    registry = RouterMetrics.create("m").registry
+    Counter("vllm:test_requests", "A vLLM-style name.", registry=registry).inc()
+    server = start_metrics_server(0, "127.0.0.1", registry)
+    accept = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # Prometheus 2.x's scrape header
+    try:
+        request = urllib.request.Request(f"http://{server.address}/metrics", headers={"Accept": accept})
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            assert reply.headers["Content-Type"].startswith("text/plain")
+            text = reply.read().decode()
+    finally:
+        server.close()
+    assert "\nvllm:test_requests_total 1.0\n" in text and "vllm_test_requests" not in text
