@@ -50,11 +50,12 @@ class Board:
         self.uid, self.title = uid, title
         self.panels: list[dict[str, Any]] = []
         self.x = self.y = 0
+        self.row_height = 0  # the tallest panel of the current row: the next row starts below it
 
     def panel(self, title: str, targets: list[dict[str, Any]], kind: str = "timeseries", unit: str = "short",
               width: int = 12, height: int = 8, **extra: Any) -> None:
         if self.x + width > 24:
-            self.x, self.y = 0, self.y + height
+            self.x, self.y, self.row_height = 0, self.y + self.row_height, 0
         panel = {"id": len(self.panels) + 1, "type": kind, "title": title, "datasource": DS,
                  "gridPos": {"x": self.x, "y": self.y, "w": width, "h": height},
                  "targets": [{**t, "refId": chr(ord("A") + i)} for i, t in enumerate(targets)],
@@ -62,6 +63,7 @@ class Board:
         panel.update(extra)
         self.panels.append(panel)
         self.x += width
+        self.row_height = max(self.row_height, height)
 
     def slo(self, title: str, expr: str, yellow: float, red: float, unit: str = "s", width: int = 6) -> None:
         """A stat tile: green below ``yellow``, then yellow, red from ``red`` (reversed when

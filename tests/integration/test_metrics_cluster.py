@@ -1,7 +1,12 @@
 """Every service's /metrics against what happened: one real cluster (router, a prefill worker,
-a decode worker with n-gram speculation, a kvstore), a bounded mix of requests (plain, a prefix
-hit, a cancelled stream, a bad request), then every endpoint scraped and its numbers checked
-against the requests sent.
+a decode worker with n-gram speculation, a kvstore, a real redis-server as the prefix index), a
+bounded mix of requests (plain, a prefix hit, a cancelled stream, a bad request), then every
+endpoint scraped and its numbers checked against the requests sent.
+
+Where Debian's ``prometheus`` package is installed, a real Prometheus server then scrapes the
+same cluster: ``promtool check rules`` passes on the recording rules, and every dashboard
+panel's query evaluates to a non-empty result (``PDSERVE_WRITE_DASHBOARD_PNGS=1`` also renders
+the dashboards from its data into docs/dashboards/, deploy/grafana/render_pngs.py).
 
 Every metric name the dashboards query must be one this live scrape exposes; the names are kept
 in ``tests/integration/metrics_names.txt`` (rewritten with ``PDSERVE_WRITE_METRIC_NAMES=1``) for
@@ -15,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,7 +29,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from services.index.redis_server import EmbeddedRedis
+from services.router.metrics import STAGES
 from services.router.ttft_breakdown import TTFT_HEADER, parse_breakdown
+from tests.integration import prometheus_server
 from tests.integration.cluster_fixtures import (
     free_port,
     start_kvstore,
@@ -33,7 +42,7 @@ from tests.integration.cluster_fixtures import (
     wait_all_blocks_free,
     wait_serving,
 )
-from tests.unit.test_dashboards import scraped_names_used
+from tests.unit.test_dashboards import DASHBOARDS, RULES_FILE, expressions, scraped_names_used, to_promql
 
 pytestmark = pytest.mark.slow
 NAMES_FILE = Path(__file__).with_name("metrics_names.txt")
@@ -47,15 +56,24 @@ def _port(process, flag: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def redis_server():
+    with EmbeddedRedis.start() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_server):
     log_dir = tmp_path_factory.mktemp("metrics-logs")
-    common = ["--num-kv-blocks", "64", "--log-level", "WARNING"]
+    common = ["--num-kv-blocks", "64", "--log-level", "WARNING", "--redis-url", redis_server.url,
+              "--index-heartbeat-s", "0.5"]
     prefill = start_worker("prefill", log_dir, *common, "--metrics-port", str(free_port()), transfer="grpc")
     decode = start_worker("decode", log_dir, *common, "--metrics-port", str(free_port()),
                           "--spec-method", "ngram", "--spec-k", "3", transfer="grpc")
     kvstore = start_kvstore(log_dir, "--metrics-port", str(free_port()), "--kvstore-gib", "0.05",
                             transfer="grpc")
-    router = start_router(log_dir, [prefill], [decode], "grpc", "--debug-route")
+    # prefix-aware routing through the index, never the local path: every request is prefilled
+    router = start_router(log_dir, [prefill], [decode], "grpc", "--debug-route", "--redis-url",
+                          redis_server.url, "--local-prefill-max-tokens", "0")
     processes = [prefill, decode, kvstore, router]
     try:
         wait_serving(processes, timeout_s=400.0)  # the shared 2-core box can be slow to load
@@ -190,14 +208,18 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     assert value(r, "pdserve_ttft_stage_seconds_count", stage="router_queue") == num_streams
     assert (value(r, "pdserve_ttft_stage_seconds_sum", stage="router_queue")
             <= value(r, "dynamo_frontend_request_duration_seconds_sum"))
-    # the workers' stages come back with each first token: one per stream, and together no
-    # longer than the TTFTs they are part of (the rest is the network and the router)
-    worker_stages = ("decode_admit", "prefill_queue", "prefill_compute", "kv_transfer")
-    for stage in worker_stages:
+    # the index lookup and the workers' stages (back with each first token): one per stream, and
+    # together no longer than the TTFTs they are part of (the rest is the network and the router)
+    inner_stages = ("index_lookup", "decode_admit", "prefill_queue", "prefill_compute", "kv_transfer")
+    for stage in inner_stages:
         assert value(r, "pdserve_ttft_stage_seconds_count", stage=stage) == num_streams, stage
-    assert (sum(value(r, "pdserve_ttft_stage_seconds_sum", stage=stage) for stage in worker_stages)
+    assert (sum(value(r, "pdserve_ttft_stage_seconds_sum", stage=stage) for stage in inner_stages)
             <= value(r, "dynamo_frontend_time_to_first_token_seconds_sum"))
-    assert value(r, "pdserve_route_decisions_total", path="remote", reason="load") == num_streams
+    assert value(r, "pdserve_route_decisions_total", path="remote") == num_streams
+    assert value(r, "pdserve_route_decisions_total") == num_streams
+    assert value(r, "pdserve_index_lookup_seconds_count") + value(r, "pdserve_index_fallback_total") >= num_streams
+    assert 0 <= value(r, "pdserve_requests_slo_met_total") <= num_ok
+    assert value(r, "pdserve_slo_target_seconds", target="ttft") == 1.0
 
     p, d = scraped["prefill"], scraped["decode"]
     # prefill computed every prompt and hit the prefix once; the cancelled stream counts if its
@@ -214,6 +236,9 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
     # one transfer per request handed to the decode worker (the cancelled one: if it got that far)
     assert num_ok <= value(p, "pdserve_kv_transfer_seconds_count", transport="grpc") <= num_streams
     assert value(p, "pdserve_kv_transfer_failures_total") == 0
+    for w in (p, d):  # both workers published their caches to the index
+        assert value(w, "pdserve_index_resync_total", reason="start") >= 1
+        assert value(w, "pdserve_index_apply_total", result="ok") > 0
     assert ((value(p, "pdserve_kv_transfer_bytes_saved_total") > 0)
             == (value(p, "pdserve_kv_transfer_blocks_total", kind="delta") > 0))
     # decode generated every token after the first of the finished requests
@@ -245,6 +270,45 @@ def test_every_metrics_endpoint_matches_the_requests_sent(cluster):
 
     # debug mode (after the scrape, whose counts it would change): the breakdown per request
     stages = _debug_breakdown(http_port, PROMPTS[2])
-    assert {"router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admit"} <= set(stages)
+    assert set(STAGES) <= set(stages)  # a prefix-aware remote request passes every stage
     assert sum(s for n, s in stages.items() if n not in ("ttft", "router_queue")) <= stages["ttft"]
     _generate_with_timings(router.address)
+
+
+def test_prometheus_evaluates_every_dashboard_query_and_the_rules(cluster, tmp_path):
+    """A real Prometheus scrapes the cluster (after the test above): the rules pass promtool and
+    every panel's query has a non-empty result."""
+    if not prometheus_server.available():
+        pytest.skip("prometheus / promtool not on PATH (Debian's `prometheus` package; "
+                    "`make prometheus` installs it where apt and root are available)")
+    check = subprocess.run(["promtool", "check", "rules", str(RULES_FILE)], capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    http_port = _port(cluster["router"], "--http-port")
+    jobs = {"router": [f"127.0.0.1:{http_port}"]}
+    jobs.update({role: [f"127.0.0.1:{_port(p, '--metrics-port')}"] for role, p in cluster.items() if role != "router"})
+    with prometheus_server.PrometheusServer.start(tmp_path, jobs, [RULES_FILE]) as prom:
+        started = time.time()
+        prom.wait_for_scrapes(2, timeout_s=60.0)
+        for i, prompt in enumerate(PROMPTS * 2):  # traffic between scrapes: the rates move
+            _complete(http_port, prompt, stream=i % 2 == 0)
+        prom.wait_for_scrapes(4, timeout_s=60.0)
+        deadline = time.monotonic() + 30.0
+        while not prom.query("pdserve:goodput:ratio_5m") and time.monotonic() < deadline:
+            time.sleep(0.5)  # the rule group runs every second
+        empty = [(path.stem, expr) for path in DASHBOARDS for expr in expressions(json.loads(path.read_text()))
+                 if not prom.query(to_promql(expr))]
+        assert not empty, empty
+        for rule in ("pdserve:goodput:ratio_5m", "pdserve:frontend_ttft_seconds:p99_5m", "pdserve:tpot_seconds:p99_5m"):
+            assert prom.query(rule), rule
+        if os.environ.get("PDSERVE_WRITE_DASHBOARD_PNGS") == "1":  # docs/dashboards/*.png
+            from deploy.grafana.render_pngs import render_all
+            deadline = time.monotonic() + 60.0  # a minute more of mixed traffic for the pictures
+            for i in range(200):
+                if time.monotonic() > deadline:
+                    break
+                _complete(http_port, PROMPTS[i % len(PROMPTS)] + [i % 50], stream=i % 2 == 0,
+                          max_tokens=4 + i % 16)
+            time.sleep(3.0)  # the last scrapes and rule evaluations
+            render_all(prom.url, started, time.time())
+
