@@ -91,6 +91,7 @@ class PrefixAwarePolicy(LoadPolicy):
         index = IndexClient(self.redis_url, meta, self.client_config)
         if self.routing is not None:
             index.on_fallback = self.routing.fallback
+            self.routing.set_index_available(index.is_available)
         try:
             index.check_meta()
         except redis.RedisError as exc:
