@@ -22,6 +22,7 @@ from services.common.settings import add_env_argument
 from services.index.schema import IndexMetaMismatch
 from services.index.settings import add_redis_url_argument
 from services.router.app import RouterConfig, build_backend, run_router
+from services.router.limit_flags import add_limit_arguments, limits_from
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,8 +49,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="debug mode: tell each client how its request was routed and where its "
                           "TTFT went (HTTP headers / gRPC trailing metadata pdserve-route: "
                           "path/reason, pdserve-ttft-breakdown: stage=seconds,...)")
+    add_limit_arguments(parser)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    args.limits, args.admission = limits_from(args, parser)
     if args.local_prefill_max_tokens < 0:
         parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
     if args.colocated and (args.prefill or args.decode):
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           model=args.model, max_model_len=args.max_model_len,
-                          drain_grace_s=args.drain_grace_s, debug_route=args.debug_route)
+                          drain_grace_s=args.drain_grace_s, debug_route=args.debug_route,
+                          limits=args.limits, admission=args.admission)
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
                             local_prefill_max_tokens=args.local_prefill_max_tokens)

@@ -13,16 +13,18 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
 from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
+from services.router.admission import Admission, AdmissionConfig
 from services.router.backend import Backend
 from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
 from services.router.grpc_frontend import GenerateServicer
+from services.router.limits import RequestLimits
 from services.router.openai_http import HttpServer, start_http_server
 from services.worker.stats import WorkerStatsServicer
 
@@ -39,6 +41,8 @@ class RouterConfig:
     max_model_len: int | None = None
     drain_grace_s: float = 10.0
     debug_route: bool = False  # answer each request's route and TTFT breakdown in headers / trailers
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 class Router:
@@ -46,7 +50,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, backend: Backend) -> None:
         self.config = config
-        self.state = RouterState(backend)
+        self.state = RouterState(backend, limits=config.limits, admission=Admission(config.admission))
         backend.attach_metrics(self.state.metrics)
         self.state.debug_route = config.debug_route
         self.http: HttpServer | None = None
@@ -79,12 +83,14 @@ class Router:
     def _build_frontend(self) -> Frontend:
         backend = self.state.backend
         if isinstance(backend, ColocatedBackend):  # the engine already loaded both
-            return Frontend(backend.tokenizer, backend, backend.model_info, self.state.metrics)
+            return Frontend(backend.tokenizer, backend, backend.model_info, self.state.metrics,
+                            self.state.limits, self.state.admission)
         from engine.models.loader import load_tokenizer
         from services.router.model_info import read_model_info
 
         return Frontend(load_tokenizer(self.config.model), backend,
-                        read_model_info(self.config.model, self.config.max_model_len), self.state.metrics)
+                        read_model_info(self.config.model, self.config.max_model_len), self.state.metrics,
+                        self.state.limits, self.state.admission)
 
     async def _mirror_health(self) -> None:
         while not self.state.is_draining:
