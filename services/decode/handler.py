@@ -46,6 +46,7 @@ from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
+from services.worker.admission import QueueLimit
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -67,6 +68,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                              f"{runtime.args.reservation_lease_ms}")
         self.lease_s = runtime.args.reservation_lease_ms / 1000
         self.reservations = ReservationTable(self.lease_s)
+        self.queue_limit = QueueLimit.from_args(runtime.engine, runtime.args, runtime.worker_id)
         self.transfer_counters = TransferCounters()
         self.prefix_counters = PrefixCounters()
         self.receivers = ()
@@ -99,6 +101,9 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         if reservation_id in self.reservations:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"ReserveBlocks: {reservation_id!r} is already reserved")
+        refusal = self.queue_limit.refusal()
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"ReserveBlocks: {refusal}")
         try:
             params = params_from_proto(request.sampling_params)  # bad words come tokenized
             reserving = asyncio.ensure_future(
@@ -158,6 +163,9 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: worker_pb2.GenerateLocalRequest,
                        context: grpc.aio.ServicerContext) -> None:
+        refusal = self.queue_limit.refusal()
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Generate: {refusal}")
         await generate_local(self.engine, self.prefix_counters, request, context)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:

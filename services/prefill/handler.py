@@ -56,6 +56,7 @@ from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
 from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
+from services.worker.admission import QueueLimit
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -88,6 +89,7 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
         self.prefix_counters = PrefixCounters()
         kv_cache = runtime.engine.kv_cache
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.queue_limit = QueueLimit.from_args(runtime.engine, runtime.args, runtime.worker_id)
 
     async def start(self):
         kv_cache = self.runtime.engine.kv_cache
@@ -105,6 +107,9 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
                       context: grpc.aio.ServicerContext) -> None:
         job = None
         try:
+            refusal = self.queue_limit.refusal()
+            if refusal is not None:
+                raise PrefillAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Prefill: {refusal}", "prefill")
             job = _PrefillJob(self, request)
             async with contextlib.aclosing(job.run()) as responses:
                 async for response in responses:
