@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
+from services.common.pb import worker_pb2_grpc
 from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
 from services.router.admission import Admission, AdmissionConfig
 from services.router.backend import Backend
 from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
-from services.router.grpc_frontend import GenerateServicer
+from services.router.grpc_frontend import GenerateServicer, add_generate_servicer
 from services.router.limits import RequestLimits
 from services.router.openai_http import HttpServer, start_http_server
 from services.worker.stats import WorkerStatsServicer
@@ -59,8 +59,7 @@ class Router:
 
     async def start(self) -> None:
         config, backend = self.config, self.state.backend
-        servicers = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                      GenerateServicer(self.state))]
+        servicers = [(add_generate_servicer, GenerateServicer(self.state))]
         names = [GENERATE_SERVICE_NAME]
         if isinstance(backend, ColocatedBackend):
             servicers.append((worker_pb2_grpc.add_WorkerServiceServicer_to_server,

@@ -7,8 +7,11 @@ generate.proto documents), RESOURCE_EXHAUSTED when the router's queue or every w
 no healthy worker, DEADLINE_EXCEEDED when the call's deadline passes, INTERNAL when the
 backend fails mid-request. The call's deadline is the request's: worker calls carry the time
 left. A client's cancel or an expired deadline cancels the handler, which closes the
-Generation and so aborts the request in the backend. In colocated mode the router also serves
-WorkerService.GetStats (block pool and queue sizes of its engine, and its engine settings).
+Generation and so aborts the request in the backend. Requests arrive as bytes
+(``add_generate_servicer``) so that one protobuf cannot parse (a string that is not UTF-8) is
+INVALID_ARGUMENT too, not grpc's generic INTERNAL "Exception deserializing request!". In
+colocated mode the router also serves WorkerService.GetStats (block pool and queue sizes of
+its engine, and its engine settings).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
@@ -31,9 +35,31 @@ INVALID_PARAM_KEY = "pdserve-invalid-param"  # trailing metadata: the field an I
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: whole seconds
 
 
+def add_generate_servicer(servicer: GenerateServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as pdserve.v1.GenerateService, parsing requests itself."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.generate_raw, request_deserializer=None,
+        response_serializer=generate_pb2.GenerateResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "pdserve.v1.GenerateService", {"Generate": handler}),))
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, state: RouterState) -> None:
         self.state = state
+
+    async def generate_raw(self, raw: bytes, context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """``Generate`` of the serialized request: one that does not parse is INVALID_ARGUMENT."""
+        try:
+            request = generate_pb2.GenerateRequest.FromString(raw)
+        except DecodeError as error:
+            self.state.metrics.reject("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid GenerateRequest ({error}); strings "
+                                "must be UTF-8")
+        async for response in self.Generate(request, context):
+            yield response
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
