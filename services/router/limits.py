@@ -59,7 +59,7 @@ class RequestLimits:
 
 def check_limits(params: SamplingParams, limits: RequestLimits) -> None:
     """Raise InvalidRequest naming the first field of ``params`` beyond ``limits``."""
-    _at_most("n", params.n, limits.max_n)
+    _in_range("n", params.n, 1, limits.max_n)
     _at_most("stop", len(params.stop), limits.max_stop_strings, "stop strings")
     for i, stop in enumerate(params.stop):
         if isinstance(stop, str) and len(stop) > limits.max_stop_chars:
@@ -68,7 +68,7 @@ def check_limits(params: SamplingParams, limits: RequestLimits) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if isinstance(value, int) and not isinstance(value, bool):
-            _at_most(name, value, limits.max_logprobs)
+            _in_range(name, value, 0, limits.max_logprobs)
     _at_most("logit_bias", len(params.logit_bias or {}), limits.max_logit_bias, "entries")
     _at_most("bad_words", len(params.bad_words or ()), limits.max_bad_words, "words")
     for name in ("allowed_token_ids", "stop_token_ids"):
@@ -94,8 +94,13 @@ def context_length_error(max_model_len: int, num_prompt_tokens: int,
     return InvalidRequest(message, param, CONTEXT_LENGTH_EXCEEDED)
 
 
-def _at_most(name: str, value: int, limit: int, unit: str = "") -> None:
+def _at_most(name: str, value: int, limit: int, unit: str) -> None:
     if value > limit:
-        what = f"{value} {unit}".strip()
-        raise InvalidRequest(f"{name} has {what}; at most {limit} are allowed" if unit
-                             else f"{name} is {value}; at most {limit} is allowed", name)
+        raise InvalidRequest(f"{name} has {value} {unit}; at most {limit} are allowed", name)
+
+
+def _in_range(name: str, value: object, low: int, limit: int) -> None:
+    """Only the upper bound is the router's (worded as SamplingParams.validate words ranges);
+    a value below ``low`` or of the wrong type is validate's to name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+        raise InvalidRequest(f"{name} must be in [{low}, {limit}], got {value}", name)

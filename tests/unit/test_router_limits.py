@@ -23,11 +23,11 @@ SMALL = RequestLimits(max_n=4, max_stop_strings=2, max_stop_chars=5, max_logprob
 
 
 @pytest.mark.parametrize("params, param, words", [
-    (SamplingParams(n=5), "n", "n is 5; at most 4"),
+    (SamplingParams(n=5), "n", r"n must be in \[1, 4\], got 5"),
     (SamplingParams(stop=["a", "b", "c"]), "stop", "stop has 3 stop strings; at most 2"),
     (SamplingParams(stop=["abcdef"]), "stop", r"stop\[0\] is 6 characters; at most 5"),
-    (SamplingParams(logprobs=4), "logprobs", "logprobs is 4; at most 3"),
-    (SamplingParams(prompt_logprobs=4), "prompt_logprobs", "prompt_logprobs is 4"),
+    (SamplingParams(logprobs=4), "logprobs", r"logprobs must be in \[0, 3\], got 4"),
+    (SamplingParams(prompt_logprobs=4), "prompt_logprobs", r"prompt_logprobs must be in \[0, 3\]"),
     (SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}), "logit_bias", "logit_bias has 3 entries"),
     (SamplingParams(bad_words=["x", "y"]), "bad_words", "bad_words has 2 words; at most 1"),
     (SamplingParams(allowed_token_ids=[1, 2, 3, 4]), "allowed_token_ids", "has 4 token ids"),
