@@ -137,7 +137,9 @@ class Frontend:
                  request_id: str | None = None, is_stream: bool = True,
                  arrived_at: float | None = None, deadline: float | None = None) -> Generation:
         """A not-yet-started request; ``async with`` starts it (see the module docstring).
-        Raises QueueFull (an Overloaded) at once when the router's queue is full. ``deadline``
+        Raises QueueFull (an Overloaded) at once when the router's queue is full; the returned
+        Generation holds a queue place until it is started and closed (``async with`` does
+        both; ``start`` closes it itself when it fails). ``deadline``
         (monotonic s; None: none) bounds the whole request. Metrics only: ``is_stream`` labels
         it (``request_type``); ``arrived_at`` (monotonic s, when the edge received it) times
         the ``router_queue`` TTFT stage up to now."""
