@@ -175,3 +175,44 @@ def test_body_and_header_limits_answer_413_and_431_in_openai_shape():
     assert body_status == 413 and "at most 1024 bytes" in body_error["error"]["message"]
     assert header_status == 431 and "at most 2048" in header_error["error"]["message"]
     assert header_error["error"]["code"] == "request_header_fields_too_large"
+
+
+def test_grpc_full_queue_is_resource_exhausted_with_retry_after_and_deadlines_are_honoured():
+    """The public gRPC API over a real grpc.aio server in this process."""
+    import grpc
+
+    from services.common.grpc_server import start_grpc_server
+    from services.common.pb import generate_pb2, generate_pb2_grpc
+    from services.router.grpc_frontend import GenerateServicer, add_generate_servicer
+
+    backend = GatedBackend()
+    state = make_state(backend, admission=AdmissionConfig(max_queued_requests=1))
+
+    async def scenario():
+        server = await start_grpc_server([(add_generate_servicer, GenerateServicer(state))])
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                request = generate_pb2.GenerateRequest(
+                    prompt="ab", sampling_params=generate_pb2.SamplingParams(max_tokens=2))
+                held = stub.Generate(request, timeout=0.5)  # takes the one queue place
+                first = asyncio.ensure_future(held.read())
+                while backend.num_started < 1:
+                    await asyncio.sleep(0.005)
+                with pytest.raises(grpc.aio.AioRpcError) as full:
+                    await stub.Generate(request, timeout=5).read()
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await first  # the gate never opens: the call's deadline ends it
+                raw = channel.unary_stream("/pdserve.v1.GenerateService/Generate")
+                with pytest.raises(grpc.aio.AioRpcError) as garbled:
+                    await raw(b"\x1a\x02\xff\xfe", timeout=5).read()
+                return full.value, late.value, garbled.value
+        finally:
+            await server.server.stop(None)
+
+    full, late, garbled = asyncio.run(scenario())
+    assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in full.details()
+    assert dict(full.trailing_metadata())["retry-after"] == "1"
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert garbled.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in garbled.details()
+    assert backend.num_closed == 1 and state.admission.num_queued == 0
