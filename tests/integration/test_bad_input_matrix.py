@@ -34,6 +34,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from tests.integration.cluster_fixtures import (
+    oracle_llm,
     start_router,
     start_worker,
     stop_all,
@@ -194,15 +195,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm():
-    import torch
-
-    from engine import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers share the cores
-    try:
-        yield LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
-    finally:
-        torch.set_num_threads(threads)
+    yield from oracle_llm(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
 
 
 def http_port(cluster) -> int:
