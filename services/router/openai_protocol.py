@@ -70,7 +70,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     bad = _lone_surrogate_path(body, "", 0)
     if bad is not None:
-        raise InvalidRequest(f"{bad or 'a key'} holds a lone UTF-16 surrogate (such as \\ud800), "
+        raise InvalidRequest(f"{bad[:80] or 'a key'} holds a lone UTF-16 surrogate (such as \\ud800), "
                              "which is not a Unicode character; send valid text",
                              bad.split(".")[0].split("[")[0] or None)
     return body
@@ -274,9 +274,10 @@ def _lone_surrogate_path(value: Any, path: str, depth: int) -> str | None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = _lone_surrogate_path(item, f"{path}[{i}]", depth + 1)
-            if found is not None:
-                return found
+            if isinstance(item, (str, dict, list)):  # token-id lists: skip the numbers quickly
+                found = _lone_surrogate_path(item, f"{path}[{i}]", depth + 1)
+                if found is not None:
+                    return found
     return None
 
 
