@@ -20,6 +20,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from engine.models.chat_encoding import encode_chat_guarded, plain_text_tokenizer, special_token_strings
 from engine.models.chat_template import ChatTemplate, check_messages
 from engine.models.gguf_file import read_gguf
 
@@ -164,8 +165,22 @@ class Tokenizer:
             {"bos_token": self._bos_token, "eos_token": self._eos_token, **self._special_tokens})
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat. The template writes any bos itself, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        """Token ids of the rendered chat. The template writes any bos itself, so none is added.
+        Special-token strings inside a message's content stay plain text: only the template
+        writes control tokens (engine/models/chat_encoding.py)."""
+        check_messages(messages)
+        return encode_chat_guarded(
+            messages, self._special_token_strings,
+            lambda msgs: self.apply_chat_template(msgs, add_generation_prompt),
+            self.encode, lambda text: self._plain_backend.encode(text, add_special_tokens=False).ids)
+
+    @cached_property
+    def _special_token_strings(self) -> tuple[str, ...]:
+        return special_token_strings(self._backend)
+
+    @cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        return plain_text_tokenizer(self._backend)
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:

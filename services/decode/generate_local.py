@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -28,8 +29,10 @@ from services.worker.stats import PrefixCounters
 
 async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
                          request: worker_pb2.GenerateLocalRequest,
-                         context: grpc.aio.ServicerContext) -> None:
-    """Serve one Generate call (module docstring)."""
+                         context: grpc.aio.ServicerContext,
+                         on_added: Callable[[], None] | None = None) -> None:
+    """Serve one Generate call (module docstring). ``on_added()`` runs once the engine took
+    the request (or refused it): the worker's queue bound stops counting it as pending."""
     arrived_at = time.monotonic()
     request_id = request.request_id
     prompt = list(request.prompt_token_ids)
@@ -59,6 +62,9 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
             await asyncio.shield(adding)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Generate: {exc}")
+        finally:
+            if on_added is not None:
+                on_added()
         taken_at = time.monotonic()
         is_first = True
         while not finished:

@@ -46,6 +46,7 @@ from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
+from services.worker.admission import QueueLimit, WorkerFull
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -67,6 +68,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                              f"{runtime.args.reservation_lease_ms}")
         self.lease_s = runtime.args.reservation_lease_ms / 1000
         self.reservations = ReservationTable(self.lease_s)
+        self.queue_limit = QueueLimit.from_args(runtime.engine, runtime.args, runtime.worker_id)
         self.transfer_counters = TransferCounters()
         self.prefix_counters = PrefixCounters()
         self.receivers = ()
@@ -100,6 +102,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"ReserveBlocks: {reservation_id!r} is already reserved")
         try:
+            pending = self.queue_limit.admit()
+        except WorkerFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"ReserveBlocks: {exc}")
+        try:
             params = params_from_proto(request.sampling_params)  # bad words come tokenized
             reserving = asyncio.ensure_future(
                 self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
@@ -112,6 +118,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ReserveBlocks: {exc}")
         except EngineDead as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            pending.done()
         if reserved is None:
             block_size = self.engine.config.cache.block_size
             await context.abort(
@@ -158,7 +166,14 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: worker_pb2.GenerateLocalRequest,
                        context: grpc.aio.ServicerContext) -> None:
-        await generate_local(self.engine, self.prefix_counters, request, context)
+        try:
+            pending = self.queue_limit.admit()
+        except WorkerFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Generate: {exc}")
+        try:
+            await generate_local(self.engine, self.prefix_counters, request, context, pending.done)
+        finally:
+            pending.done()
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
         try:

@@ -56,6 +56,7 @@ from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
 from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
+from services.worker.admission import Pending, QueueLimit, WorkerFull
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -88,6 +89,7 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
         self.prefix_counters = PrefixCounters()
         kv_cache = runtime.engine.kv_cache
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.queue_limit = QueueLimit.from_args(runtime.engine, runtime.args, runtime.worker_id)
 
     async def start(self):
         kv_cache = self.runtime.engine.kv_cache
@@ -103,9 +105,13 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> None:
-        job = None
+        job = pending = None
         try:
-            job = _PrefillJob(self, request)
+            try:
+                pending = self.queue_limit.admit()
+            except WorkerFull as exc:
+                raise PrefillAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Prefill: {exc}", "prefill") from exc
+            job = _PrefillJob(self, request, pending)
             async with contextlib.aclosing(job.run()) as responses:
                 async for response in responses:
                     await context.write(response)
@@ -114,6 +120,8 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
                 context.set_trailing_metadata(((FAILED_PEER_KEY, exc.peer),))
             await context.abort(exc.code, exc.message)
         finally:
+            if pending is not None:
+                pending.done()
             if job is not None:
                 await asyncio.shield(job.cleanup())
 
@@ -121,8 +129,10 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
 class _PrefillJob:
     """The state of one Prefill call; ``cleanup`` undoes whatever ``run`` got to."""
 
-    def __init__(self, worker: PrefillWorker, request: worker_pb2.PrefillRequest) -> None:
+    def __init__(self, worker: PrefillWorker, request: worker_pb2.PrefillRequest,
+                 pending: Pending | None = None) -> None:
         self.worker = worker
+        self.pending = pending  # the worker's queue place until the engine took the request
         self.engine = worker.engine
         self.request_id = request.request_id
         self.prompt = list(request.prompt_token_ids)
@@ -175,6 +185,9 @@ class _PrefillJob:
             await asyncio.shield(self.adding)
         except ValueError as exc:
             raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
+        finally:
+            if self.pending is not None:
+                self.pending.done()
         self.timer.on_scheduled()
         taken_at = time.monotonic()
         push_s = 0.0  # pushing chunks before the first token: the transfer's share of TTFT

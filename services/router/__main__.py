@@ -24,6 +24,7 @@ from services.common.settings import add_env_argument
 from services.index.schema import IndexMetaMismatch
 from services.index.settings import add_redis_url_argument
 from services.router.app import RouterConfig, build_backend, run_router
+from services.router.limit_flags import add_limit_arguments, limits_from
 from services.router.metrics import SLO_TPOT_S, SLO_TTFT_S
 
 
@@ -57,6 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="goodput's time-per-output-token target in seconds")
     add_api_key_arguments(parser)
     add_internal_auth_arguments(parser)
+    add_limit_arguments(parser)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     for flag, target in (("--slo-ttft-s", args.slo_ttft_s), ("--slo-tpot-s", args.slo_tpot_s)):
@@ -66,6 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.api_keys = api_keys_from(args)
     except ValueError as error:
         parser.error(f"API keys: {error}")
+    args.limits, args.admission = limits_from(args, parser)
     install_from_args(args, parser)  # the router's channels to its workers
     if args.local_prefill_max_tokens < 0:
         parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                           model=args.model, max_model_len=args.max_model_len,
                           drain_grace_s=args.drain_grace_s, debug_route=args.debug_route,
                           api_keys=args.api_keys, metrics_auth=args.metrics_auth,
-                          slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s)
+                          slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
+                          limits=args.limits, admission=args.admission)
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
                             local_prefill_max_tokens=args.local_prefill_max_tokens)

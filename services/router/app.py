@@ -14,18 +14,20 @@ import contextlib
 import ipaddress
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
 from services.common.auth import KeySet
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
+from services.common.pb import worker_pb2_grpc
 from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
+from services.router.admission import Admission, AdmissionConfig
 from services.router.backend import Backend
 from services.router.colocated import ColocatedBackend
 from services.router.frontend import Frontend, RouterState
-from services.router.grpc_frontend import GenerateServicer
+from services.router.grpc_frontend import GenerateServicer, add_generate_servicer
 from services.router.http_auth import HttpAuth
+from services.router.limits import RequestLimits
 from services.router.metrics import SLO_TPOT_S, SLO_TTFT_S
 from services.router.openai_http import HttpServer, start_http_server
 from services.worker.stats import WorkerStatsServicer
@@ -47,6 +49,8 @@ class RouterConfig:
     metrics_auth: bool = False  # GET /metrics needs a key too
     slo_ttft_s: float = SLO_TTFT_S  # goodput's targets (RouterMetrics.set_slo)
     slo_tpot_s: float = SLO_TPOT_S
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 class Router:
@@ -54,7 +58,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, backend: Backend) -> None:
         self.config = config
-        self.state = RouterState(backend)
+        self.state = RouterState(backend, limits=config.limits, admission=Admission(config.admission))
         self.state.metrics.set_slo(config.slo_ttft_s, config.slo_tpot_s)
         backend.attach_metrics(self.state.metrics)
         self.state.debug_route = config.debug_route
@@ -64,8 +68,7 @@ class Router:
 
     async def start(self) -> None:
         config, backend = self.config, self.state.backend
-        servicers = [(generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                      GenerateServicer(self.state))]
+        servicers = [(add_generate_servicer, GenerateServicer(self.state))]
         names = [GENERATE_SERVICE_NAME]
         if isinstance(backend, ColocatedBackend):
             servicers.append((worker_pb2_grpc.add_WorkerServiceServicer_to_server,
@@ -93,12 +96,14 @@ class Router:
     def _build_frontend(self) -> Frontend:
         backend = self.state.backend
         if isinstance(backend, ColocatedBackend):  # the engine already loaded both
-            return Frontend(backend.tokenizer, backend, backend.model_info, self.state.metrics)
+            return Frontend(backend.tokenizer, backend, backend.model_info, self.state.metrics,
+                            self.state.limits, self.state.admission)
         from engine.models.loader import load_tokenizer
         from services.router.model_info import read_model_info
 
         return Frontend(load_tokenizer(self.config.model), backend,
-                        read_model_info(self.config.model, self.config.max_model_len), self.state.metrics)
+                        read_model_info(self.config.model, self.config.max_model_len), self.state.metrics,
+                        self.state.limits, self.state.admission)
 
     async def _mirror_health(self) -> None:
         while not self.state.is_draining:

@@ -25,7 +25,18 @@ class BackendError(RuntimeError):
 
 
 class Overloaded(RuntimeError):
-    """No worker can take the request now (maps to RESOURCE_EXHAUSTED / HTTP 503)."""
+    """Full: every worker (or the router's own queue) is at its limit now. Maps to HTTP 429 /
+    RESOURCE_EXHAUSTED with ``Retry-After: retry_after_s`` (an estimate, whole seconds >= 1).
+    Expected pressure, not a failure: the client should come back later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(Overloaded):
+    """Not ready: the router is starting or draining, or no worker of a role is healthy. Maps
+    to HTTP 503 / UNAVAILABLE (a subclass of Overloaded, so callers that only retry still do)."""
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ One sample (a *pipeline*)::
   it holds. If the prefill call had already finished (all KV pushed) the router also sends
   ReleaseBlocks, for a Decode call that may never have reached the decode worker.
 * A worker failing mid-stream ends that request with BackendError and marks the worker
-  unhealthy until a health poll passes again. Every call carries a deadline.
+  unhealthy until a health poll passes again. Every call carries a deadline: the request's
+  time left (services/router/deadline.py) when it has one, else the call's default.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from services.common.wire import (
     params_to_proto,
     ttft_stages_from_proto,
 )
-from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.backend import Backend, BackendError, Overloaded, TokenEvent, Unavailable
+from services.router.deadline import remaining_s
 from services.router.local_path import run_local
 from services.router.metrics import RouterMetrics
 from services.router.policy import LoadPolicy, RoutingPolicy
@@ -244,7 +246,7 @@ class DisaggregatedBackend(Backend):
             prefill_rest = asyncio.ensure_future(self._drain(prefill_call, prefill))
             decode_call = decode.decode.Decode(worker_pb2.DecodeRequest(
                 request_id=request_id, reservation_id=reservation.reservation_id,
-                first_token_id=first.token_id), timeout=self.decode_timeout_s)
+                first_token_id=first.token_id), timeout=remaining_s(self.decode_timeout_s))
             while not finished:
                 response = await self._next_decode(decode_call, decode, prefill_rest)
                 finish = finish_from_proto(response.finish_reason)
@@ -285,7 +287,7 @@ class DisaggregatedBackend(Backend):
             call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling_params=proto_params,
                 decode=worker_pb2.DecodeTarget(worker_id=decode.worker_id, address=decode.address),
-                transfer_method=self.transfer_method), timeout=self.prefill_timeout_s)
+                transfer_method=self.transfer_method), timeout=remaining_s(self.prefill_timeout_s))
             try:
                 response = await call.read()
             except asyncio.CancelledError:
@@ -295,12 +297,14 @@ class DisaggregatedBackend(Backend):
                 code, last_error = exc.code(), exc
                 if code not in _RETRYABLE:
                     raise _error("prefill", prefill, exc) from exc
-                if _failed_peer(exc) == "decode" or code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if _failed_peer(exc) == "decode" or (code is grpc.StatusCode.RESOURCE_EXHAUSTED
+                                                     and _failed_peer(exc) != "prefill"):
                     if code is grpc.StatusCode.UNAVAILABLE:
                         decode.mark_unhealthy(exc.details())
                     excluded["decode"].add(decode.address)
                     continue
-                prefill.mark_unhealthy(exc.details())
+                if code is grpc.StatusCode.UNAVAILABLE:  # full (RESOURCE_EXHAUSTED) is healthy
+                    prefill.mark_unhealthy(exc.details())
                 excluded["prefill"].add(prefill.address)
                 continue
             if response is grpc.aio.EOF:
@@ -327,7 +331,7 @@ class DisaggregatedBackend(Backend):
             raise Overloaded(f"every {role} worker is full: {last_error.details()}")
         states = ", ".join(f"{w.address}: {w.status}" for w in self.pool.workers[role])
         detail = f"; last error: {last_error.details()}" if last_error is not None else ""
-        raise Overloaded(f"no healthy {role} worker ({states}){detail}")
+        raise Unavailable(f"no healthy {role} worker ({states}){detail}")
 
     @staticmethod
     async def _read(call: grpc.aio.UnaryStreamCall, worker: Worker):

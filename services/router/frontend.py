@@ -8,7 +8,11 @@
             ...
     generation.usage                                        # final once iteration ended
 
-Tokenization and validation happen once, here; the backend sees token ids only. Each of the
+Tokenization and validation (including the router's RequestLimits) happen once, here; the
+backend sees token ids only. ``generate`` admits the request into the router's bounded queue
+(services/router/admission.py: QueueFull at once when full) and carries its deadline
+(monotonic s): past it, the Generation raises RequestTimeout and closes the backend's
+iterator, and every worker call made meanwhile carried the time left as its gRPC deadline. Each of the
 ``n`` samples has its own IncrementalDetokenizer, which holds back text that could start a
 stop string and cuts the text at a match. When every sample has finished (by the backend's
 finish_reason or a stop string) the backend's iterator is closed at once, which aborts the
@@ -17,28 +21,27 @@ request wherever it still holds blocks; leaving the ``async with`` early does th
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.models.tokenizer import Tokenizer
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from services.router.admission import Admission, Ticket
 from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.deadline import set_request_deadline
+from services.router.errors import InvalidRequest, RequestTimeout
+from services.router.limits import RequestLimits, check_limits, context_length_error
 from services.router.metrics import RouterMetrics
 from services.router.model_info import ModelInfo
 from services.router.ttft_breakdown import TTFT_HEADER, format_breakdown
 
-
-class InvalidRequest(ValueError):
-    """Bad input: maps to HTTP 400 / INVALID_ARGUMENT. ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
+T = TypeVar("T")
 
 @dataclass(slots=True)
 class SampleDelta:
@@ -72,14 +75,18 @@ class _Sample:
 
 
 class Frontend:
-    """``metrics``: the router's (every request is timed in its Generation); a private one by default."""
+    """``metrics``: the router's (every request is timed in its Generation); a private one by
+    default. ``limits`` and ``admission`` default to the defaults an operator gets."""
 
     def __init__(self, tokenizer: Tokenizer, backend: Backend, model: ModelInfo,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, limits: RequestLimits | None = None,
+                 admission: Admission | None = None) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.model = model
         self.metrics = metrics or RouterMetrics.create(model.name)
+        self.limits = limits or RequestLimits()
+        self.admission = admission or Admission()
 
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                  add_generation_prompt: bool = True) -> list[int]:
@@ -103,17 +110,22 @@ class Frontend:
                                  f"vocabulary size), got {bad[:8]}", "prompt")
         return list(prompt)
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Validate the request against the model's limits; returns the params to send (bad
-        words tokenized). Raises InvalidRequest naming the parameter."""
+    def check(self, prompt_ids: list[int], params: SamplingParams,
+              prompt_param: str = "prompt") -> SamplingParams:
+        """Validate the request against the router's limits and the model's; returns the params
+        to send (bad words tokenized). Raises InvalidRequest naming the parameter; a request
+        that cannot fit the context gets OpenAI's ``context_length_exceeded`` wording, its
+        param ``prompt_param`` ("messages" for a chat)."""
         max_model_len = self.model.max_model_len
         if not prompt_ids:
-            raise InvalidRequest("prompt is empty; give at least one token", "prompt")
-        if len(prompt_ids) >= max_model_len:
-            raise InvalidRequest(
-                f"prompt is {len(prompt_ids)} tokens, which leaves no room to generate in the "
-                f"model's context length of {max_model_len} tokens; shorten the prompt",
-                "prompt", "context_length_exceeded")
+            raise InvalidRequest("prompt is empty; give at least one token", prompt_param)
+        check_limits(params, self.limits)
+        max_tokens = params.max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            max_tokens = None  # validate() names a bad max_tokens
+        if (len(prompt_ids) >= max_model_len
+                or max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len):
+            raise context_length_error(max_model_len, len(prompt_ids), max_tokens, prompt_param)
         try:
             params.validate(self.model.vocab_size, max_model_len, len(prompt_ids))
             return params.with_bad_words_tokenized(self.tokenizer.encode)
@@ -123,11 +135,17 @@ class Frontend:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  request_id: str | None = None, is_stream: bool = True,
-                 arrived_at: float | None = None) -> Generation:
+                 arrived_at: float | None = None, deadline: float | None = None) -> Generation:
         """A not-yet-started request; ``async with`` starts it (see the module docstring).
-        Metrics only: ``is_stream`` labels it (``request_type``); ``arrived_at`` (monotonic s,
-        when the edge received it) times the ``router_queue`` TTFT stage up to now."""
-        generation = Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params, is_stream)
+        Raises QueueFull (an Overloaded) at once when the router's queue is full; the returned
+        Generation holds a queue place until it is started and closed (``async with`` does
+        both; ``start`` closes it itself when it fails). ``deadline``
+        (monotonic s; None: none) bounds the whole request. Metrics only: ``is_stream`` labels
+        it (``request_type``); ``arrived_at`` (monotonic s, when the edge received it) times
+        the ``router_queue`` TTFT stage up to now."""
+        ticket = self.admission.admit()
+        generation = Generation(self, request_id or uuid.uuid4().hex, prompt_ids, params, is_stream,
+                                ticket, deadline)
         if arrived_at is not None:
             queue_s = generation.sent_at - arrived_at
             self.metrics.stages.observe("router_queue", queue_s)
@@ -141,14 +159,18 @@ class Generation:
     ``start()`` (or entering the context) sends the request and waits for its first event, so
     that bad input (ValueError), Overloaded and BackendError surface before a caller commits
     to a streamed response. Iteration raises BackendError if the backend fails or ends early.
+    Past ``deadline`` start or iteration raises RequestTimeout (and closes the request).
     Its metrics: sent at construction, TTFT at the first event, ITL between events, and on
     ``aclose`` the status: success (every sample finished), error (the backend raised) or
     cancelled (closed early: client left, deadline).
     """
 
     def __init__(self, frontend: Frontend, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, is_stream: bool = True) -> None:
+                 params: SamplingParams, is_stream: bool = True, ticket: Ticket | None = None,
+                 deadline: float | None = None) -> None:
         self.request_id = request_id
+        self.deadline = deadline
+        self._ticket = ticket
         self.prompt_token_ids = prompt_ids
         self.params = params
         self.usage = Usage(prompt_tokens=len(prompt_ids))
@@ -175,9 +197,14 @@ class Generation:
         return not self._ready and all(sample.is_done for sample in self._samples)
 
     async def start(self) -> None:
+        set_request_deadline(self.deadline)  # worker calls of this task (and its samples) see it
         try:
-            self._first_event = await anext(self._events)
+            if self._ticket is not None:
+                await self._before_deadline(self._ticket.acquire_slot())
+            self._first_event = await self._before_deadline(anext(self._events))
             self._timer.on_event()
+            if self._ticket is not None:
+                self._ticket.on_streaming()
             self.route = self._first_event.route
             for stage, seconds in (self._first_event.ttft_stages or {}).items():
                 self._stages.observe(stage, seconds)
@@ -192,6 +219,24 @@ class Generation:
             await self.aclose()
             raise
 
+    async def _before_deadline(self, awaitable: Awaitable[T]) -> T:
+        """``await awaitable``, cut off at the deadline: then close the request (which aborts
+        it in the backend) and raise RequestTimeout."""
+        if self.deadline is None:
+            return await awaitable
+        loop = asyncio.get_running_loop()
+        timeout = asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic()))
+        try:
+            async with timeout:
+                return await awaitable
+        except TimeoutError:
+            if not timeout.expired():
+                raise  # not ours: the backend's own
+            await self.aclose()
+            raise RequestTimeout(f"request {self.request_id}: its deadline passed before it "
+                                 f"finished ({self.usage.completion_tokens} tokens generated); "
+                                 "it was aborted") from None
+
     async def aclose(self) -> None:
         """Close the backend's iterator (aborting the request if it still runs). Idempotent."""
         if not self._is_closed:
@@ -199,7 +244,11 @@ class Generation:
             done = all(sample.is_done for sample in self._samples)
             status = "success" if done else "error" if self._has_failed else "cancelled"
             self._timer.on_finished(status, self.usage.completion_tokens, self.usage.cached_tokens)
-            await self._events.aclose()
+            try:
+                await self._events.aclose()
+            finally:
+                if self._ticket is not None:
+                    self._ticket.release()
 
     async def __aenter__(self) -> Generation:
         await self.start()
@@ -226,7 +275,7 @@ class Generation:
         if self._is_closed:
             raise BackendError(f"request {self.request_id}: read after the request was closed")
         try:
-            event = await anext(self._events)
+            event = await self._before_deadline(anext(self._events))
         except StopAsyncIteration:
             self._has_failed = True
             raise BackendError(f"request {self.request_id}: the backend's stream ended before "
@@ -303,10 +352,13 @@ def debug_headers(generation: Generation) -> tuple[tuple[str, str], ...]:
 @dataclass
 class RouterState:
     """What the HTTP and gRPC servers share: ``frontend`` is None until the backend is ready;
-    ``is_draining`` turns true when a stop signal arrives (health then reports unhealthy)."""
+    ``is_draining`` turns true when a stop signal arrives (health then reports unhealthy).
+    ``limits`` and ``admission`` are the router's (the frontend is built with the same)."""
 
     backend: Backend
     frontend: Frontend | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    admission: Admission = field(default_factory=Admission)
     is_draining: bool = False
     metrics: RouterMetrics = field(default_factory=RouterMetrics.create)
     debug_route: bool = False  # tell clients how each request was routed (ROUTE_HEADER)

@@ -25,6 +25,7 @@ from services.common.wire import (
     ttft_stages_from_proto,
 )
 from services.router.backend import BackendError, TokenEvent
+from services.router.deadline import remaining_s
 from services.router.route_plan import RoutePlan
 from services.router.worker_pool import Worker
 
@@ -40,7 +41,7 @@ async def run_local(backend: DisaggregatedBackend, decode: Worker, request_id: s
     """Token events of one sample served by ``decode`` alone (module docstring)."""
     call = decode.decode.Generate(worker_pb2.GenerateLocalRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling_params=params_to_proto(params)),
-        timeout=backend.decode_timeout_s)
+        timeout=remaining_s(backend.decode_timeout_s))
     in_flight = decode.begin(prefill_tokens=len(prompt),
                              blocks=cdiv(len(prompt), decode.stats.block_size or 16))
     finished = False

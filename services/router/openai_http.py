@@ -5,8 +5,11 @@
     GET  /metrics               Prometheus text format (services/router/metrics.py)
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-input, 503 when overloaded or not ready, 500 when the backend fails. Once a stream has started
-a failure is sent as an ``error`` event followed by ``data: [DONE]``. A client that disconnects
+input, 413 / 431 for a body / headers beyond the router's RequestLimits, 429 with
+``Retry-After`` when the router's queue or every worker is full, 503 when not ready (starting,
+draining, no healthy worker), 504 when the request's ``timeout`` passed, 500 when the backend
+fails. No error body carries a stack trace or a file path. Once a stream has started a failure
+is sent as an ``error`` event followed by ``data: [DONE]``. A client that disconnects
 cancels its handler (``handler_cancellation``), which closes the request's Generation and so
 aborts it in the backend.
 """
@@ -14,6 +17,7 @@ aborts it in the backend.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -23,8 +27,10 @@ from typing import Any
 from aiohttp import web
 
 from services.common.metrics import CONTENT_TYPE, render
-from services.router.backend import BackendError, Overloaded
-from services.router.frontend import Frontend, Generation, InvalidRequest, RouterState, debug_headers
+from services.router.admission import QueueFull
+from services.router.backend import BackendError, Overloaded, Unavailable
+from services.router.errors import InvalidRequest, NotServing, RequestTimeout
+from services.router.frontend import Frontend, Generation, RouterState, debug_headers
 from services.router.http_auth import OPEN, HttpAuth, require_api_key
 from services.router.openai_protocol import (
     OpenAIRequest,
@@ -36,7 +42,9 @@ from services.router.openai_protocol import (
 from services.router.openai_responses import ResponseRenderer, dumps
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 32 * 1024 * 1024
+# aiohttp's own per-line ceiling, this many times max_header_bytes: a header line between the
+# two reaches the router's check (431, OpenAI-shaped); one beyond gets aiohttp's plain 400.
+PARSER_HEADER_CEILING = 8
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
@@ -67,8 +75,10 @@ async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: i
     except OSError as error:
         sock.close()
         raise OSError(f"cannot bind HTTP server to {host}:{port} ({error}); is the port in use?") from error
+    ceiling = state.limits.max_header_bytes * PARSER_HEADER_CEILING
     runner = web.AppRunner(build_app(state, auth), handler_cancellation=True,
-                           shutdown_timeout=drain_grace_s, access_log=None)
+                           shutdown_timeout=drain_grace_s, access_log=None,
+                           max_line_size=ceiling, max_field_size=ceiling)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return HttpServer(runner, host, sock.getsockname()[1])
@@ -77,8 +87,9 @@ async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: i
 def build_app(state: RouterState, auth: HttpAuth = OPEN) -> web.Application:
     """The routes; ``auth``: API keys (services/router/http_auth.py), checked before anything else."""
     handlers = _Handlers(state)
-    app = web.Application(middlewares=[require_api_key(auth), _errors, _count_rejections(state)],
-                          client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[require_api_key(auth), _errors, _count_rejections(state),
+                                       _check_size(state)],
+                          client_max_size=state.limits.max_body_bytes)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
@@ -102,16 +113,49 @@ def _count_rejections(state: RouterState) -> Callable[..., Awaitable[web.StreamR
         except ValueError:
             state.metrics.reject("invalid", was_counted=True)
             raise
-        except Overloaded:
-            state.metrics.reject("overload", was_counted=state.frontend is not None)
+        except Overloaded as error:
+            # A Generation counted it unless the router refused it itself (queue full, not ready).
+            was_counted = not isinstance(error, (QueueFull, NotServing))
+            state.metrics.reject("overload", was_counted=was_counted)
             raise
 
     return count
 
 
+def _check_size(state: RouterState) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Headers beyond ``max_header_bytes`` (431) and a declared body beyond ``max_body_bytes``
+    (413) are refused before the body is read; a chunked body is cut off while reading (413)."""
+    limits = state.limits
+
+    @web.middleware
+    async def check(request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        header_bytes = sum(len(name) + len(value) + 4 for name, value in request.raw_headers)
+        if header_bytes > limits.max_header_bytes:
+            raise InvalidRequest(f"the request headers are {header_bytes} bytes; at most "
+                                 f"{limits.max_header_bytes} are allowed", None,
+                                 "request_header_fields_too_large", status=431)
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            raise _body_too_large(request.content_length, limits.max_body_bytes)
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            raise _body_too_large(None, limits.max_body_bytes) from None
+
+    return check
+
+
+def _body_too_large(num_bytes: int | None, limit: int) -> InvalidRequest:
+    size = f"is {num_bytes} bytes" if num_bytes is not None else "is too large"
+    return InvalidRequest(f"the request body {size}; at most {limit} bytes are allowed", None,
+                          "request_too_large", status=413)
+
+
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           error_type: str = "invalid_request_error") -> web.Response:
-    return web.json_response(error_body(message, param, code, error_type), status=status, dumps=dumps)
+           error_type: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(message, param, code, error_type), status=status,
+                             dumps=dumps, headers=headers)
 
 
 @web.middleware
@@ -121,11 +165,17 @@ async def _errors(request: web.Request,
     try:
         return await handler(request)
     except InvalidRequest as error:
-        return _error(400, error.message, error.param, error.code)
+        return _error(error.status, error.message, error.param, error.code)
     except ValueError as error:  # the backend's verdict on bad input
         return _error(400, str(error))
+    except Unavailable as error:
+        return _error(503, str(error), code="unavailable", error_type="service_unavailable")
     except Overloaded as error:
-        return _error(503, str(error), code="overloaded", error_type="server_overloaded")
+        retry_after = str(max(math.ceil(error.retry_after_s), 1))
+        return _error(429, str(error), code="rate_limit_exceeded", error_type="requests",
+                      headers={"Retry-After": retry_after})
+    except RequestTimeout as error:
+        return _error(504, str(error), "timeout", "deadline_exceeded", "timeout_error")
     except BackendError as error:
         log.warning("request failed in the backend: %s", error)
         return _error(500, str(error), error_type="internal_server_error")
@@ -136,7 +186,8 @@ async def _errors(request: web.Request,
                       code=error.reason.lower().replace(" ", "_"))
     except Exception as error:  # noqa: BLE001 - a bug; the client still gets JSON
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error(500, f"internal error: {error!r}", error_type="internal_server_error")
+        return _error(500, f"internal error ({type(error).__name__}); the router's log has the "
+                           "details", error_type="internal_server_error")
 
 
 class _Handlers:
@@ -167,7 +218,7 @@ class _Handlers:
     def _frontend(self) -> Frontend:
         frontend = self.state.frontend
         if frontend is None or self.state.is_draining:
-            raise Overloaded("the router is not serving (starting up or shutting down)")
+            raise NotServing("the router is not serving (starting up or shutting down)")
         return frontend
 
     async def _generate(self, request: web.Request,
@@ -179,9 +230,10 @@ class _Handlers:
             raise InvalidRequest(f"model {api.model!r} does not exist; this server serves "
                                  f"{frontend.model.name!r}", "model", "model_not_found")
         prompt_ids = frontend.tokenize(api.prompt, api.messages, api.add_generation_prompt)
-        params = frontend.check(prompt_ids, api.params)
-        async with frontend.generate(prompt_ids, params, is_stream=api.stream,
-                                     arrived_at=arrived_at) as generation:
+        params = frontend.check(prompt_ids, api.params, "messages" if api.is_chat else "prompt")
+        deadline = None if api.timeout_s is None else arrived_at + api.timeout_s
+        async with frontend.generate(prompt_ids, params, is_stream=api.stream, arrived_at=arrived_at,
+                                     deadline=deadline) as generation:
             render = ResponseRenderer(api, frontend, generation)
             headers = dict(debug_headers(generation)) if self.state.debug_route else {}
             if api.stream:
@@ -209,6 +261,9 @@ async def _stream(request: web.Request, api: OpenAIRequest, generation: Generati
                     await send(chunk)
             if api.include_usage:
                 await send(render.usage_chunk())
+        except RequestTimeout as error:
+            log.info("stream %s: %s", generation.request_id, error)
+            await send(error_body(str(error), "timeout", "deadline_exceeded", "timeout_error"))
         except (BackendError, Overloaded, ValueError) as error:
             log.warning("stream %s failed: %s", generation.request_id, error)
             await send(error_body(str(error), error_type="internal_server_error"))

@@ -4,17 +4,23 @@ Pure functions, no I/O. Parsing checks types and names the offending field; valu
 SamplingParams.validate's job (called by the Frontend once the prompt length is known).
 Fields follow the OpenAI API plus vLLM's extensions (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens,
-allowed_token_ids, bad_words, return_token_ids, cache_salt). Unknown fields are ignored, as vLLM does.
+allowed_token_ids, bad_words, return_token_ids, cache_salt) and ``timeout`` (seconds the whole
+request may take; past it HTTP 504). Unknown fields are ignored, as vLLM does, except the ones
+that would let a caller run or change code on the router (``chat_template``,
+``chat_template_kwargs``): those are refused. Strings must be valid Unicode: a lone surrogate
+(JSON's "\ud800") is refused naming its field, since no tokenizer can encode it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from services.router.frontend import InvalidRequest
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from services.router.errors import InvalidRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 
@@ -22,6 +28,10 @@ _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequenc
                   "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "seed", "min_tokens")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# Fields vLLM accepts that run or change code on the server; pdserve refuses them.
+_REFUSED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs")
+_INT_KEY = re.compile(r"-?[0-9]+")
+_MAX_WALK_DEPTH = 64  # JSON nesting the surrogate check follows (deeper is refused)
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    timeout_s: float | None = None  # the whole request's budget (None: no deadline)
 
     @property
     def is_chat(self) -> bool:
@@ -44,12 +55,24 @@ class OpenAIRequest:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object. InvalidRequest for bytes that are not UTF-8 JSON, nesting
+    too deep to parse, or a string holding a lone surrogate (naming its field)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except UnicodeDecodeError as error:
+        raise InvalidRequest(f"the request body is not valid UTF-8: {error.reason} at byte "
+                             f"{error.start}") from None
+    except json.JSONDecodeError as error:
         raise InvalidRequest(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    bad = _lone_surrogate_path(body, "", 0)
+    if bad is not None:
+        raise InvalidRequest(f"{bad[:80] or 'a key'} holds a lone UTF-16 surrogate (such as \\ud800), "
+                             "which is not a Unicode character; send valid text",
+                             bad.split(".")[0].split("[")[0] or None)
     return body
 
 
@@ -70,6 +93,10 @@ def parse_completion_request(body: dict[str, Any]) -> OpenAIRequest:
 
 def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     messages = _messages(body.get("messages"))
+    for name in _REFUSED_CHAT_FIELDS:
+        if body.get(name) is not None:
+            raise InvalidRequest(f"{name} is not accepted: the server renders chats with the "
+                                 "model's own template only", name)
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidRequest(f"{name} are not supported", name)
@@ -77,6 +104,9 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     if response_format is not None and response_format != {"type": "text"}:
         raise InvalidRequest("only response_format {'type': 'text'} is supported", "response_format")
     top_logprobs = _get(body, "top_logprobs", int, None)
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}",
+                             "top_logprobs")
     if _get(body, "logprobs", bool, False):
         logprobs = 0 if top_logprobs is None else top_logprobs
     elif top_logprobs is not None:
@@ -103,9 +133,14 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     if stream_options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
     include_usage = _get(stream_options or {}, "include_usage", bool, False, "stream_options.include_usage")
+    timeout_s = _get(body, "timeout", float, None)
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout_s!r}",
+                             "timeout")
     return {"model": _get(body, "model", str, None), "stream": stream,
             "include_usage": include_usage,
-            "return_token_ids": _get(body, "return_token_ids", bool, False)}
+            "return_token_ids": _get(body, "return_token_ids", bool, False),
+            "timeout_s": timeout_s}
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None,
@@ -218,4 +253,37 @@ def _content(content: Any, i: int) -> str:
 
 
 def _is_int_string(key: str) -> bool:
-    return key.lstrip("-").isdigit()
+    return _INT_KEY.fullmatch(key) is not None  # ASCII digits only: int() would take '٣' too
+
+
+def _lone_surrogate_path(value: Any, path: str, depth: int) -> str | None:
+    """The path (``messages[0].content``) of the first string, or key, holding a lone
+    surrogate; None if there is none. Nesting beyond _MAX_WALK_DEPTH is refused."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    if depth > _MAX_WALK_DEPTH and isinstance(value, (dict, list)):
+        raise InvalidRequest(f"the request body nests deeper than {_MAX_WALK_DEPTH} levels "
+                             f"(at {path or 'the top'})")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            child = f"{path}.{key}" if path else str(key)
+            if _has_surrogate(key):
+                return path
+            found = _lone_surrogate_path(item, child, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (str, dict, list)):  # token-id lists: skip the numbers quickly
+                found = _lone_surrogate_path(item, f"{path}[{i}]", depth + 1)
+                if found is not None:
+                    return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

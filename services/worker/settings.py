@@ -15,6 +15,7 @@ from services.common.internal_auth import add_internal_auth_arguments
 from services.common.metrics import add_metrics_argument
 from services.common.settings import add_env_argument
 from services.index.settings import add_publisher_arguments
+from services.worker.admission import add_admission_argument
 
 TRANSFERS = ("nixl", "grpc")
 
@@ -34,6 +35,7 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
     add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
         help="on SIGTERM, seconds in-flight RPCs may still run")
     add_metrics_argument(parser)
+    add_admission_argument(parser)
     add(parser, "--kvstore-address", default="",
         help="host:port of the node's kvstore (pdserve serve kvstore): host-tier evictions are "
              "offered to it and a prefix miss asks it before recomputing (empty: none; needs the "

@@ -98,7 +98,7 @@ def assert_context_length(router_address: str, max_model_len: int) -> None:
         with pytest.raises(grpc.RpcError) as error:
             list(generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=30))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"context length of {max_model_len} tokens" in error.value.details()
+    assert f"maximum context length is {max_model_len} tokens" in error.value.details()
 
 
 def test_every_engine_flag_reaches_both_workers(tmp_path, flags):

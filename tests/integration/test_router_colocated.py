@@ -340,8 +340,8 @@ BAD_HTTP = [
     ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature", "must be finite"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "must be >= 0"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens", "must be >= 1"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, "prompt", "exceeds the model's context"),
-    ("/v1/completions", {"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt", "context length"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, "prompt", "However, you requested"),
+    ("/v1/completions", {"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt", "maximum context length is"),
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt", "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, "model", "does not exist"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature", "must be a number"),
@@ -377,9 +377,9 @@ def test_bad_grpc_requests_get_invalid_argument(router):
         ({"prompt": "hi", "sampling_params": generate_pb2.SamplingParams(temperature=float("nan"))},
          "temperature must be finite"),
         ({"prompt": "hi", "sampling_params": generate_pb2.SamplingParams(max_tokens=4_000_000_000)},
-         "exceeds the model's context"),
+         "However, you requested"),
         ({"prompt_token_ids": generate_pb2.TokenIds(ids=[1, 10**6])}, "vocabulary"),
-        ({"prompt_token_ids": generate_pb2.TokenIds(ids=[1] * MAX_MODEL_LEN)}, "context length"),
+        ({"prompt_token_ids": generate_pb2.TokenIds(ids=[1] * MAX_MODEL_LEN)}, "maximum context length is"),
         ({"chat": generate_pb2.ChatMessages()}, "messages"),
     ]
     for fields, words in cases:

@@ -16,7 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from engine.sampling_params import SamplingParams
-from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.backend import Backend, BackendError, Overloaded, TokenEvent, Unavailable
 from services.router.frontend import Frontend, InvalidRequest, RouterState
 from services.router.model_info import ModelInfo
 from services.router.openai_http import build_app
@@ -139,11 +139,18 @@ def test_backend_failures_become_backend_errors():
 
 def test_check_names_the_problem():
     frontend = Frontend(CharTokenizer(), ScriptedBackend([]), ModelInfo("m", 30, 8))
-    with pytest.raises(InvalidRequest, match="context length of 8") as info:
+    with pytest.raises(InvalidRequest) as info:
         frontend.check(ids("abcdefgh"), SamplingParams())
-    assert info.value.code == "context_length_exceeded"
-    with pytest.raises(InvalidRequest, match="exceeds the model's context length"):
-        frontend.check(ids("abc"), SamplingParams(max_tokens=6))
+    assert info.value.message == ("This model's maximum context length is 8 tokens. However, your "
+                                  "request has 8 input tokens. Please reduce the length of the "
+                                  "input messages.")
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "prompt")
+    with pytest.raises(InvalidRequest) as info:  # OpenAI's wording, word for word
+        frontend.check(ids("abc"), SamplingParams(max_tokens=6), "messages")
+    assert info.value.message == ("This model's maximum context length is 8 tokens. However, you "
+                                  "requested 9 tokens (3 in the messages, 6 in the completion). "
+                                  "Please reduce the length of the messages or completion.")
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
     with pytest.raises(InvalidRequest) as info:
         frontend.check(ids("abc"), SamplingParams(top_p=2.0, max_tokens=1))
     assert info.value.param == "top_p"
@@ -175,11 +182,16 @@ def sse_events(text: str) -> list:
     return [d if d == "[DONE]" else json.loads(d) for d in data]
 
 
-def test_http_overloaded_is_503_and_backend_failure_is_500():
+def test_http_full_is_429_unavailable_is_503_and_backend_failure_is_500():
+    """Full (every worker at its limit) is 429 with Retry-After; no healthy worker is 503."""
     body = {"prompt": "ab", "max_tokens": 4}
-    [(status, text)] = http_scenario(ScriptedBackend([], error=Overloaded("all full")),
+    [(status, text)] = http_scenario(ScriptedBackend([], error=Overloaded("all full", 2.2)),
                                      [("POST", "/v1/completions", body)])
-    assert status == 503 and json.loads(text)["error"]["message"] == "all full"
+    assert status == 429 and json.loads(text)["error"]["message"] == "all full"
+    assert json.loads(text)["error"]["code"] == "rate_limit_exceeded"
+    [(status, text)] = http_scenario(ScriptedBackend([], error=Unavailable("no healthy decode worker")),
+                                     [("POST", "/v1/completions", body)])
+    assert status == 503 and json.loads(text)["error"]["message"] == "no healthy decode worker"
     [(status, text)] = http_scenario(ScriptedBackend([], error=BackendError("worker died")),
                                      [("POST", "/v1/completions", body)])
     assert status == 500 and json.loads(text)["error"]["type"] == "internal_server_error"
