@@ -35,6 +35,31 @@ inline vfloat vload(const float* p) {
 
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// kLanes one-byte codes of a quantized KV row, widened to fp32 in registers (sign-extend and
+// convert: vpmovsxbd + vcvtdq2ps).
+typedef signed char vcodes __attribute__((vector_size(kLanes)));
+typedef unsigned char vucodes __attribute__((vector_size(kLanes)));
+
+inline vfloat vload_int8(const signed char* p) {
+  vcodes c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, vfloat);
+}
+
+// float8_e4m3fn bit patterns s.eeee.mmm as fp32 times 2^-120: the exponent and mantissa bits
+// shifted into fp32's field (bits 20..26), the sign into bit 31. Normal and subnormal codes both
+// come out exact; the 2^120 is folded into the row's scale by the caller (kFp8Bias).
+inline vfloat vload_fp8(const unsigned char* p) {
+  vucodes c;
+  std::memcpy(&c, p, sizeof c);
+  const vint x = __builtin_convertvector(c, vint);
+  const vint bits = ((x & 0x7f) << 20) | ((x & 0x80) << 24);
+  vfloat f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+constexpr float kFp8Bias = 1.329227995784916e36f;  // 2^120
+
 // lane 0 to every lane: one broadcast (vfloat{} + x would add a zero first)
 inline vfloat vsplat(float x) { return __builtin_shuffle(vfloat{x}, vint{}); }
 
