@@ -2,8 +2,9 @@
 //
 // Contract: kernels/paged_attention_ref.py (module docstring); fp32 queries, and an fp32 or a
 // quantized cache (int8 or float8_e4m3fn rows: head_dim codes, then the row's fp32 scale; see
-// kernels/kv_quant.py), whose codes are widened in registers and scaled once per key row:
-// q . K_j = scale_j * (q . codes_j), and p_j V_j = (p_j * scale_j) codes_j. One kernel serves
+// kernels/kv_quant.py), whose tiles are dequantized once into an fp32 scratch tile (codes widened
+// in registers, times the row's scale) that every query of the item then reads from L1: the
+// group's queries share each conversion. One kernel serves
 // every query length: decode (q_len 1), spec verification, chunked prefill on a prefix.
 //
 // Work item = (sequence, KV head, tile of up to kRowsPerItem query rows). The `group` query
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -96,12 +98,10 @@ inline vfloat vexp2(vfloat x) {
 }
 
 // How a cache row is read: Rows::load(p) gives kLanes values of the row at p (before its
-// scale), Rows::scale(row, head_dim) the row's scale (1 for fp32: the multiply folds away).
+// scale), Rows::scale(row, head_dim) the row's scale. F32Rows are read in place.
 struct F32Rows {
   using T = float;
   static constexpr int64_t kScaleBytes = 0;
-  static vfloat load(const T* p) { return vload(p); }
-  static float scale(const T*, int64_t) { return 1.f; }
 };
 
 struct Int8Rows {
@@ -125,6 +125,17 @@ struct Fp8Rows {
     return s * kFp8Bias;
   }
 };
+
+// n quantized rows -> fp32 rows of head_dim at dst (scale applied).
+template <class R>
+inline void dequantize_tile(const typename R::T* rows, int64_t stride, int64_t n, int nv, int64_t head_dim,
+                            float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const typename R::T* row = rows + j * stride;
+    const vfloat scale = vsplat(R::scale(row, head_dim));
+    for (int c = 0; c < nv; ++c) vstore(dst + j * head_dim + c * kLanes, R::load(row + c * kLanes) * scale);
+  }
+}
 
 // Ask for the K or V rows of the next block while this one computes: block ids are scattered,
 // so the hardware prefetcher cannot guess the jump.
@@ -190,27 +201,25 @@ struct Partials {
         m(num_slots * max_queries), l(num_slots * max_queries) {}
 };
 
-// Scratch of one thread, reused across its items: num_rows * group queries.
+// Scratch of one thread, reused across its items: num_rows * group queries, and one K and one
+// V tile of kLanes rows (a quantized cache's tiles, dequantized).
 struct Scratch {
-  std::vector<float> q, acc, m, l;
+  std::vector<float> q, acc, m, l, k_tile, v_tile;
   explicit Scratch(int64_t max_queries, int64_t head_dim)
-      : q(max_queries * head_dim), acc(max_queries * head_dim), m(max_queries), l(max_queries) {}
+      : q(max_queries * head_dim), acc(max_queries * head_dim), m(max_queries), l(max_queries),
+        k_tile(kLanes * head_dim), v_tile(kLanes * head_dim) {}
 };
 
 // Scores of one query against the keys of one tile, scaled to base 2: lane j = q . K_j for
 // j < visible, -inf beyond. NV = head_dim / kLanes when known at compile time, else 0.
-template <class R, int NV>
-inline vfloat tile_scores(const float* q, const typename R::T* k_rows, int64_t k_stride, int64_t visible, int nv,
-                          int64_t head_dim) {
+template <int NV>
+inline vfloat tile_scores(const float* q, const float* k_rows, int64_t k_stride, int64_t visible, int nv) {
   vfloat dots[kLanes];
 #pragma GCC unroll 16
   for (int j = 0; j < kLanes; ++j) {
     vfloat dot{};
-    if (j < visible) {
-      const typename R::T* row = k_rows + j * k_stride;
-      for (int c = 0; c < (NV ? NV : nv); ++c) dot += vload(q + c * kLanes) * R::load(row + c * kLanes);
-      dot *= R::scale(row, head_dim);
-    }
+    if (j < visible)
+      for (int c = 0; c < (NV ? NV : nv); ++c) dot += vload(q + c * kLanes) * vload(k_rows + j * k_stride + c * kLanes);
     dots[bit_reversed(j)] = dot;
   }
   const vfloat scores = transpose_sum(dots);
@@ -240,8 +249,17 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
     const int64_t block_index = t0 / L.block_size, slot0 = t0 % L.block_size;
     const int64_t n = std::min<int64_t>({kLanes, L.block_size - slot0, kv_end - t0});
     const int64_t block = L.block_id(w.seq, block_index);
-    const T* k_rows = key + block * L.k_stride_block + slot0 * L.k_stride_slot + w.kv_head * L.k_stride_head;
-    const T* v_rows = value + block * L.v_stride_block + slot0 * L.v_stride_slot + w.kv_head * L.v_stride_head;
+    const T* k_src = key + block * L.k_stride_block + slot0 * L.k_stride_slot + w.kv_head * L.k_stride_head;
+    const T* v_src = value + block * L.v_stride_block + slot0 * L.v_stride_slot + w.kv_head * L.v_stride_head;
+    const float *k_rows, *v_rows;
+    int64_t k_stride, v_stride;
+    if constexpr (std::is_same_v<R, F32Rows>) {
+      k_rows = k_src, v_rows = v_src, k_stride = L.k_stride_slot, v_stride = L.v_stride_slot;
+    } else {
+      dequantize_tile<R>(k_src, L.k_stride_slot, n, nv, L.head_dim, s.k_tile.data());
+      dequantize_tile<R>(v_src, L.v_stride_slot, n, nv, L.head_dim, s.v_tile.data());
+      k_rows = s.k_tile.data(), v_rows = s.v_tile.data(), k_stride = v_stride = L.head_dim;
+    }
     if (slot0 == 0 && t0 + L.block_size < kv_end) {
       const int64_t next = L.block_id(w.seq, block_index + 1);
       const int64_t next_rows = std::min(L.block_size, kv_end - t0 - L.block_size);
@@ -251,7 +269,7 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t visible = std::min(n, w.first_pos + i / group - t0 + 1);  // causal
       if (visible <= 0) continue;
-      const vfloat scores = tile_scores<R, NV>(&s.q[i * L.head_dim], k_rows, L.k_stride_slot, visible, nv, L.head_dim);
+      const vfloat scores = tile_scores<NV>(&s.q[i * L.head_dim], k_rows, k_stride, visible, nv);
       // online softmax: rescale what was accumulated when the running max grows
       const float m_new = std::max(s.m[i], vmax_lane(scores));
       const float correction = std::exp2(s.m[i] - m_new);
@@ -262,9 +280,8 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
       vfloat acc[kMaxHeadVectors];
       for (int c = 0; c < nv; ++c) acc[c] = vload(acc_i + c * kLanes) * correction;
       for (int64_t j = 0; j < visible; ++j) {
-        const T* row = v_rows + j * L.v_stride_slot;
-        const float weight = weights[j] * R::scale(row, L.head_dim);
-        for (int c = 0; c < nv; ++c) acc[c] += weight * R::load(row + c * kLanes);
+        const float weight = weights[j];
+        for (int c = 0; c < nv; ++c) acc[c] += weight * vload(v_rows + j * v_stride + c * kLanes);
       }
       for (int c = 0; c < nv; ++c) vstore(acc_i + c * kLanes, acc[c]);
     }
