@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"PDSERVE_CPU_ISA={os.environ.get('PDSERVE_CPU_ISA', 'native')}, weights {args.weight_format}")
     loaded = load_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    num_blocks = max(batches) * cdiv(args.context + 1, 16) + 8
+    # room for the batch at --context, and for the ~650-token text of long_perplexity
+    num_blocks = max(max(batches) * cdiv(args.context + 1, 16), 1024 // 16) + 8
     llms = {kvd: LLM(loaded, kv_cache_dtype=kvd, weight_format=args.weight_format, num_kv_blocks=num_blocks,
                      cpu_offload_gb=0,
                      max_num_batched_tokens=1024, max_model_len=max(args.context + 1, 1024))

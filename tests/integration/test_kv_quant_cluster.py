@@ -2,7 +2,16 @@
 ``--kv-cache-dtype int8``, behind a router per transfer (gRPC, NIXL), give the greedy tokens of
 the colocated int8 engine (``engine.LLM`` in this process) for the parity prompts; and an int8
 prefill worker asked to push into an fp32 cache is refused with FAILED_PRECONDITION naming the
-dtype of each side, before any block is reserved, and leaks nothing."""
+dtype of each side, before any block is reserved, and leaks nothing.
+
+Same arithmetic on both sides: requests go one at a time, and the colocated engine uses the
+prefill worker's thread count and 64-token chunks. That matters more than with an fp32 cache:
+a K/V value a float rounding away from a code boundary lands on the neighbouring int8 code, so
+batch-dependent last-bit differences grow to ~1e-2 in the logits ("La capitale de l'Italie est"
+has its top two first tokens 0.003 apart, and which wins depends on the batch it prefills in).
+Where the tokens still differ, the colocated engine's own logprobs must show a near-tie there
+(the disaggregated token within NEAR_TIE of its choice) and the comparison ends at that token.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +34,8 @@ from tests.integration.test_cluster import PROMPTS, generate
 
 pytestmark = pytest.mark.slow
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
+NEAR_TIE = 0.02  # nats
 INT8 = ["--num-kv-blocks", "64", "--kv-cache-dtype", "int8"]
 
 
@@ -51,10 +61,11 @@ def colocated_int8(loaded_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two workers share the cores
     try:
-        llm = LLM(loaded_model, num_kv_blocks=256, kv_cache_dtype="int8")
+        llm = LLM(loaded_model, num_kv_blocks=256, kv_cache_dtype="int8", num_threads=1,
+                  max_num_batched_tokens=64)
         assert llm.engine.runner.kv_cache.dtype == torch.int8
         prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-        yield prompt_ids, [out.outputs[0].token_ids for out in llm.generate(prompt_ids, GREEDY)]
+        yield prompt_ids, [llm.generate([ids], GREEDY)[0].outputs[0] for ids in prompt_ids]
     finally:
         torch.set_num_threads(threads)
 
@@ -72,11 +83,28 @@ def test_int8_disaggregated_equals_colocated_int8(cluster, colocated_int8, trans
 
     async def scenario():
         async with grpc.aio.insecure_channel(router.address) as channel:
-            return await asyncio.gather(*(generate(channel, p, GREEDY) for p in prompt_ids))
+            return [await generate(channel, p, GREEDY) for p in prompt_ids]  # one at a time
 
-    results = asyncio.run(scenario())
-    assert [r[0][0] for r in results] == expected
+    results = [r[0][0] for r in asyncio.run(scenario())]
+    verdicts = [_agrees(ours, theirs) for ours, theirs in zip(results, expected)]
+    assert all(ok for ok, _ in verdicts), verdicts
     assert_no_leaks(workers)
+
+
+def _agrees(disaggregated: list[int], colocated) -> tuple[bool, str]:
+    """Equal, or first different where the colocated engine's top choice beat the
+    disaggregated token by at most NEAR_TIE."""
+    theirs = colocated.token_ids
+    if disaggregated == theirs:
+        return True, "equal"
+    at = next((i for i, (a, b) in enumerate(zip(disaggregated, theirs)) if a != b), None)
+    if at is None:
+        return False, f"lengths differ: {disaggregated} vs {theirs}"
+    top = dict(colocated.logprobs[at].top)
+    if disaggregated[at] not in top:
+        return False, f"token {at}: {disaggregated[at]} not in the colocated top 5 {top}"
+    gap = top[theirs[at]] - top[disaggregated[at]]
+    return gap <= NEAR_TIE, f"first differs at token {at}, colocated logprob gap {gap:.2e}"
 
 
 def test_an_fp32_decode_peer_is_refused_naming_both_dtypes(cluster, colocated_int8, loaded_model):
