@@ -6,7 +6,10 @@ fp32 vs int8 (vs fp8) KV in the same run.
 
 Accuracy (``loadtests.bench_quant.accuracy``, on its fixed texts and greedy prompts): each KV
 dtype's perplexity, its ratio to fp32 KV's, top-1 and greedy agreement; then the perplexity of
-all the texts as one ~650-token sequence, where later tokens attend over more quantized keys.
+all the texts as one ~650-token sequence, where later tokens attend over more quantized keys;
+then greedy agreement on the 8 HF parity prompts (tests/integration/test_parity_hf.py, one of
+them ~1,000 tokens), 64 tokens each: how many equal fp32 KV's tokens, and the tokens each
+keeps before its first difference.
 Speed: decode steps of ``batch`` sequences, each at ``--context`` tokens, timed on the engine's
 model forward (input building included, sampling not) over a cache whose first ``context``
 positions were written by the store kernel (the values do not change the work), so no prompt is
@@ -44,6 +47,23 @@ def long_perplexity(llm: LLM, tokenizer) -> float:
     logprobs = teacher_forced(llm, ids)
     nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
     return math.exp(nll / (len(ids) - 1))
+
+
+def parity_agreement(llms: dict[str, LLM], tokenizer) -> None:
+    """Greedy tokens on the parity prompts against the first dtype's (fp32 KV)."""
+    from engine import SamplingParams
+    from tests.integration.test_parity_hf import NUM_NEW_TOKENS, _prompts  # the repo's parity set
+
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS)
+    outputs = {name: [out.token_ids for out in llm.generate(prompts, params)] for name, llm in llms.items()}
+    reference = next(iter(outputs.values()))
+    print(f"greedy on the {len(prompts)} parity prompts x {NUM_NEW_TOKENS} tokens (longest prompt "
+          f"{max(len(p) for p in prompts)} tokens): identical prompts, tokens before the first difference")
+    for name, outs in outputs.items():
+        kept = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, reference)]
+        same = sum(o == r for o, r in zip(outs, reference))
+        print(f"{name:<9}{same}/{len(prompts)} identical, kept {kept}")
 
 
 def fill_context(llm: LLM, num_seqs: int, context: int) -> list[list[int]]:
@@ -90,15 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weight-format", default="fp32")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="engine threads (0: every CPU; 1 keeps a shared machine's barrier stalls out)")
     args = parser.parse_args(argv)
     print(machine())
-    print(f"PDSERVE_CPU_ISA={os.environ.get('PDSERVE_CPU_ISA', 'native')}, weights {args.weight_format}")
+    print(f"PDSERVE_CPU_ISA={os.environ.get('PDSERVE_CPU_ISA', 'native')}, weights {args.weight_format}, "
+          f"engine threads {args.num_threads or len(os.sched_getaffinity(0))}")
     loaded = load_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     # room for the batch at --context, and for the ~650-token text of long_perplexity
     num_blocks = max(max(batches) * cdiv(args.context + 1, 16), 1024 // 16) + 8
     llms = {kvd: LLM(loaded, kv_cache_dtype=kvd, weight_format=args.weight_format, num_kv_blocks=num_blocks,
-                     cpu_offload_gb=0,
+                     cpu_offload_gb=0, num_threads=args.num_threads,
                      max_num_batched_tokens=1024, max_model_len=max(args.context + 1, 1024))
             for kvd in args.kv_dtypes.split(",")}
     print(f"{'KV dtype':<9}{'bytes/token':>12}{'vs fp32':>9}")
@@ -111,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         first = next(iter(ppl.values()))
         print("all texts as one sequence: " + ", ".join(f"{n} ppl {p:.4f} ({p / first:.4f}x)"
                                                          for n, p in ppl.items()))
+        parity_agreement(llms, loaded.tokenizer)
+    if args.skip_speed:
+        return
     tables = {name: fill_context(llm, max(batches), args.context) for name, llm in llms.items()}
     best = {(name, b): float("inf") for name in llms for b in batches}
     for _ in range(args.repeats):

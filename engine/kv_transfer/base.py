@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 KV_WIRE_VERSION = 1
-# 1: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-contiguous.
+# 1: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-contiguous; for a
+#    quantized dtype (int8, float8_e4m3fn) each row is head_dim codes + its 4-byte fp32 scale.
 KV_LAYOUT_VERSION = 1
 
 class KVTransferError(RuntimeError):
