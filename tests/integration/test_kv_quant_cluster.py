@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import params_to_proto
 from tests.integration.cluster_fixtures import (
+    one_thread,
     start_router,
     start_worker,
     stop_all,
@@ -58,16 +59,12 @@ def colocated_int8(loaded_model):
     import torch
 
     from engine import LLM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two workers share the cores
-    try:
+    with one_thread():
         llm = LLM(loaded_model, num_kv_blocks=256, kv_cache_dtype="int8", num_threads=1,
                   max_num_batched_tokens=64)
         assert llm.engine.runner.kv_cache.dtype == torch.int8
         prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
         yield prompt_ids, [llm.generate([ids], GREEDY)[0].outputs[0] for ids in prompt_ids]
-    finally:
-        torch.set_num_threads(threads)
 
 
 def assert_no_leaks(workers) -> None:

@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from kernels.kv_quant import quantize_rows
 from services.kvstore.region import block_bytes_of
 from services.kvstore.store import BlockStore, KVStoreConfig
+from tests.engine_runs import run_alone
 
 # SmolLM2-135M's KV shape: 30 layers, 3 KV heads, head_dim 64
 SMOL = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -102,16 +103,7 @@ def test_int8_blocks_evicted_to_the_host_tier_come_back_exactly(loaded_model):
     params = SamplingParams(temperature=0.0, max_tokens=3)
 
     def run(request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-        core.add_request(request_id, prompt, params)
-        tokens, num_cached = [], -1
-        for _ in range(50):
-            if not core.has_unfinished_requests():
-                break
-            for output in core.step():
-                tokens += output.new_token_ids
-                num_cached = output.num_cached_tokens
-        core.check_integrity()
-        return tokens, num_cached
+        return run_alone(core, request_id, prompt, params)
 
     cold_a, hit = run("a0", PROMPT_A)
     assert hit == 0
