@@ -110,3 +110,18 @@ def test_int8_blocks_evicted_to_the_host_tier_come_back_exactly(loaded_model):
     cold_b, _ = run("b0", PROMPT_B)  # evicts A's blocks to the host
     assert run("a1", PROMPT_A) == (cold_a, 3 * BS)  # from the host tier
     assert run("b1", PROMPT_B) == (cold_b, 3 * BS)
+
+
+def test_a_quantized_cache_on_the_cpu_backend_uses_the_compiled_store_and_attention():
+    from engine.runner.model_runner import kv_quant_ops
+    from kernels.cpu import available
+    from kernels.ops import compiled_ops, get_ops
+
+    torch_ops = get_ops("torch")
+    assert kv_quant_ops(torch_ops, "torch") is torch_ops  # the references read int8 as they are
+    if not available():
+        pytest.skip("no compiled CPU kernels here")
+    ops = kv_quant_ops(torch_ops, "cpu")  # whatever the calibration picked for fp32
+    compiled = compiled_ops()
+    assert (ops.store_kv, ops.paged_attention) == (compiled.store_kv, compiled.paged_attention)
+    assert ops.linear is torch_ops.linear
