@@ -31,6 +31,7 @@ from engine.config import (
     SchedulerConfig,
     SpecConfig,
 )
+from engine.kv_cache.quant_format import KV_CACHE_DTYPES, cache_dtype_for
 
 
 def _setting(default: Any, help_text: str, **flag_options: Any) -> Any:
@@ -61,6 +62,9 @@ class EngineArgs:
     device: str = _setting(EngineConfig.device, "torch device")
     dtype: str = _setting(EngineConfig.dtype, "weights, activations and KV cache dtype",
                           choices=DTYPES)
+    kv_cache_dtype: str = _setting("auto", "KV cache storage: the model's dtype (auto), fp32, or "
+                                   "8-bit codes with a per-token, per-head fp32 scale (int8, fp8 = "
+                                   "float8_e4m3fn)", choices=KV_CACHE_DTYPES)
     weight_format: str = _setting(EngineConfig.weight_format, "matmul weights: fp32, the GGUF's "
                                   "own blocks (auto), or all Q8_0 / 4-bit", choices=WEIGHT_FORMATS)
     num_threads: int = _setting(EngineConfig.num_threads,
@@ -88,6 +92,9 @@ class EngineArgs:
             raise ConfigError(f"cpu_offload_gb must be a finite number >= 0 (0 turns the host tier "
                               f"off), got {self.cpu_offload_gb}")
         cpu_offload_bytes = None if self.cpu_offload_gb is None else int(self.cpu_offload_gb * 2**30)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None:
             model_config = replace(model_config, max_model_len=self.max_model_len)
         spec = SpecConfig(method=self.spec_method, k=self.spec_k, draft_model=self.draft_model,
@@ -96,7 +103,8 @@ class EngineArgs:
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
-                              memory_budget_bytes=self.kv_cache_memory, dtype=self.dtype,
+                              memory_budget_bytes=self.kv_cache_memory,
+                              dtype=cache_dtype_for(self.kv_cache_dtype, self.dtype),
                               enable_prefix_caching=self.enable_prefix_caching,
                               cpu_offload_bytes=cpu_offload_bytes),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.kv_cache.quant_format import QUANT_KV_DTYPES
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what to change."""
@@ -78,6 +80,9 @@ class CacheConfig:
 
     slot = block_id * block_size + offset_in_block.
     ``num_blocks`` wins over ``memory_budget_bytes`` when both are given.
+    ``dtype`` is what the cache stores: a float dtype, or a quantized one (int8, float8_e4m3fn)
+    whose rows are ``head_dim`` 1-byte codes followed by their fp32 scale
+    (``engine/kv_cache/quant_format.py``).
     """
 
     block_size: int = 16
@@ -98,8 +103,9 @@ class CacheConfig:
         if self.cpu_offload_bytes is not None and self.cpu_offload_bytes < 0:
             raise ConfigError(f"CacheConfig.cpu_offload_bytes must be >= 0 (0 turns the host tier off), "
                               f"got {self.cpu_offload_bytes}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"CacheConfig.dtype must be {'|'.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES + QUANT_KV_DTYPES:
+            raise ConfigError(f"CacheConfig.dtype must be {'|'.join(DTYPES + QUANT_KV_DTYPES)}, "
+                              f"got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

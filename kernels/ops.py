@@ -4,7 +4,8 @@
     ops.rms_norm(x, weight, eps, residual=None)       -> out | (out, residual_out)
     ops.rotary(q, k, positions, cos_sin_cache)        in place
     ops.silu_and_mul(x)                               -> [N, I]
-    ops.store_kv(key, value, key_cache, value_cache, slot_mapping)   in place
+    ops.store_kv(key, value, key_cache, value_cache, slot_mapping)   in place (quantizes for an
+                                                      int8 / fp8 cache: kernels.kv_quant)
     ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
     ops.pack_linear(w_t)                              -> weight handle, once at load

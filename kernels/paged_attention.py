@@ -21,6 +21,11 @@ may be larger or smaller than block_size.
 Split-KV (flash decoding): with NUM_SPLITS > 1, split s walks only its share of the key tiles and
 writes an unnormalised partial (acc, max, sum) to fp32 workspace; ``_reduce_splits_kernel``
 merges the partials. Used when there are too few (tile, kv_head) programs to fill the GPU.
+
+Quantized cache (int8 or float8_e4m3fn rows: head_dim codes then an fp32 scale, see
+``kernels.kv_quant``): the codes are loaded through a uint8 view of the cache and the scales
+through a float32 view of the same memory (row at byte r: scale at float (r + head_dim) / 4);
+each K/V tile is dequantized in registers right after its load, the rest is unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import functools
 import torch
 
 from kernels._triton import check_launchable, is_interpreter, tl, triton
+from kernels.kv_quant import QUANT_DTYPES, check_scale_alignment
 from kernels.paged_attention_ref import check_attention_args, paged_attention_ref
 
 __all__ = ["paged_attention", "paged_attention_ref"]
@@ -54,15 +60,29 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _decode_codes(codes, QUANT: tl.constexpr):
+    """uint8 code bit patterns -> fp32 (before the row scale). QUANT 1: int8; 2: float8_e4m3fn,
+    decoded by its bits: normals are (e + 120) << 23 | m << 20 as fp32, subnormals m * 2^-9."""
+    if QUANT == 1:
+        return codes.to(tl.int8, bitcast=True).to(tl.float32)
+    x = codes.to(tl.int32)
+    mag = x & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(mag >= 8, normal, (mag & 7).to(tl.float32) * 0.001953125)
+    return tl.where((x & 0x80) != 0, -value, value)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     num_seqs, num_heads, group, head_dim, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,7 +127,10 @@ def _paged_attention_kernel(
         block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         slots = block_ids * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
         kv_mask = n_valid[None, :] & d_valid[:, None]
-        k = tl.load(k_cache_ptr + slots[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + slots[None, :] + offs_d[:, None], mask=kv_mask, other=0)
+        if QUANT != 0:
+            k_scale = tl.load(k_scale_ptr + (slots + head_dim) // 4, mask=n_valid, other=0.0)
+            k = _decode_codes(k, QUANT) * k_scale[None, :]
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -120,7 +143,10 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0)
+        if QUANT != 0:
+            v_scale = tl.load(v_scale_ptr + (slots + head_dim) // 4, mask=n_valid, other=0.0)
+            v = _decode_codes(v, QUANT) * v_scale[:, None]
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -237,15 +263,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     else:
         part_acc = part_ml = out  # unused
     num_warps = 8 if block_m >= 128 else 4
+    quant = QUANT_DTYPES.index(key_cache.dtype) + 1 if key_cache.dtype in QUANT_DTYPES else 0
+    k_codes, v_codes, k_scales, v_scales = key_cache, value_cache, key_cache, value_cache
+    if quant:
+        check_scale_alignment(key_cache, head_dim)
+        k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        k_scales, v_scales = key_cache.view(torch.float32), value_cache.view(torch.float32)
     _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         out, part_acc, part_ml,
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+        query, k_codes, v_codes, k_scales, v_scales, block_tables, seq_lens, cu_seqlens_q,
         num_seqs, num_heads, group, head_dim, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, G_PAD=g_pad, BLOCK_Q=block_q,
         BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        DOT_FP32=_dot_in_fp32(query.dtype), num_warps=num_warps,
+        DOT_FP32=_dot_in_fp32(query.dtype), QUANT=quant, num_warps=num_warps,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -17,6 +17,9 @@ Contract (shared with ``kernels.paged_attention.paged_attention``)::
     the query at position p attends to keys 0..p (causal). Query head h reads KV head
     h // (num_heads // num_kv_heads) (GQA / MQA). Softmax and accumulation are fp32.
 
+A quantized cache (int8 or float8_e4m3fn: rows of head_dim codes then an fp32 scale, see
+``kernels.kv_quant``, so its last dim is head_dim + 4) is read through ``dequantize_rows``.
+
 Every cache slot below seq_len must hold a finite value; slots past seq_len are never read by
 the Triton kernel, but this reference multiplies them by a zero weight, so allocate the cache
 with ``torch.zeros`` (not ``torch.empty``) to keep NaN bit patterns out of it.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, dequantize_rows
 
 
 def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
@@ -36,8 +40,11 @@ def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, 
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, num_heads, head_dim = query.shape
     device = query.device
-    check_tensor("key_cache", key_cache, shape=(None, None, None, head_dim), dtypes=FLOAT_DTYPES,
-                 device=device, last_dim_contiguous=True)
+    # a quantized cache's rows are head_dim codes, then the fp32 scale's bytes
+    is_quantized = getattr(key_cache, "dtype", None) in QUANT_DTYPES
+    row_width = head_dim + SCALE_BYTES if is_quantized else head_dim
+    check_tensor("key_cache", key_cache, shape=(None, None, None, row_width),
+                 dtypes=FLOAT_DTYPES + QUANT_DTYPES, device=device, last_dim_contiguous=True)
     num_kv_heads = key_cache.shape[2]
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"query's num_heads ({num_heads}) must be a multiple of key_cache's "
@@ -99,6 +106,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out
 
 
+def _values(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as fp32 values (dequantized when the cache is quantized)."""
+    return dequantize_rows(rows) if rows.dtype in QUANT_DTYPES else rows.float()
+
+
 def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, decode_ids, scale, out):
     """All single-token queries at once: gather their blocks into [B, Hkv, L, head_dim] and
     attend with two batched matmuls over every (sequence, KV head)."""
@@ -117,8 +129,8 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, dec
               >= seq_lens.index_select(0, ids)[:, None].long()).unsqueeze(1)
     q = query.index_select(0, rows).float().view(batch, num_kv_heads, group, -1)
     # Gather every KV head at once: [B, nblk, block_size, Hkv, D] -> [B, Hkv, L, D]
-    k = key_cache[blocks].float().flatten(1, 2).transpose(1, 2)
-    v = value_cache[blocks].float().flatten(1, 2).transpose(1, 2)
+    k = _values(key_cache[blocks]).flatten(1, 2).transpose(1, 2)
+    v = _values(value_cache[blocks]).flatten(1, 2).transpose(1, 2)
     scores = torch.matmul(q, k.transpose(2, 3)).mul_(scale)  # [B, Hkv, group, L]
     scores.masked_fill_(is_pad.unsqueeze(1), float("-inf"))
     res = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, group, D]
@@ -130,8 +142,8 @@ def _extend(query, key_cache, value_cache, block_table, seq_len, start, end, sca
     block_size = key_cache.shape[1]
     q_len = end - start
     blocks = block_table[: -(-seq_len // block_size)].long()
-    k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].float()  # [S, num_kv_heads, head_dim]
-    v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].float()
+    k = _values(key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len])  # [S, num_kv_heads, head_dim]
+    v = _values(value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len])
     q = query[start:end].float()
     if q_len == seq_len:
         mask, causal = None, True

@@ -6,7 +6,9 @@ Layout (see ``CacheConfig``)::
     layer_kv(kv_cache, l) -> key, value: [num_blocks, block_size, num_kv_heads, head_dim] (strided views)
 
 One block is one contiguous region across all layers: a single descriptor for KV transfer
-and offload, and one indexed copy for copy-on-write (``kernels.block_copy``).
+and offload, and one indexed copy for copy-on-write (``kernels.block_copy``). A quantized cache
+(int8, float8_e4m3fn) stores ``head_dim + 4`` one-byte elements per row: the codes, then the
+row's fp32 scale (``engine/kv_cache/quant_format.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import os
 import torch
 
 from engine.config import CacheConfig, ConfigError, ModelConfig
+from engine.kv_cache.quant_format import stored_head_dim
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def kv_dtype(cache_config: CacheConfig) -> torch.dtype:
@@ -25,10 +29,10 @@ def kv_dtype(cache_config: CacheConfig) -> torch.dtype:
 
 
 def bytes_per_block(model_config: ModelConfig, cache_config: CacheConfig) -> int:
-    """Bytes of one block: K and V of ``block_size`` tokens in every layer."""
+    """Bytes of one block: K and V of ``block_size`` tokens in every layer (scales included)."""
     element_size = torch.empty((), dtype=kv_dtype(cache_config)).element_size()
     return (model_config.num_layers * 2 * cache_config.block_size * model_config.num_kv_heads
-            * model_config.head_dim * element_size)
+            * stored_head_dim(cache_config.dtype, model_config.head_dim) * element_size)
 
 
 def num_blocks_for_budget(model_config: ModelConfig, cache_config: CacheConfig,
@@ -51,10 +55,12 @@ def num_blocks_for_budget(model_config: ModelConfig, cache_config: CacheConfig,
 
 def allocate_kv_cache(model_config: ModelConfig, cache_config: CacheConfig,
                       device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zeroed cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+    """A zeroed cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+    (``head_dim + 4`` for a quantized dtype: zero codes with a zero scale read as 0.0)."""
     num_blocks = num_blocks_for_budget(model_config, cache_config)
     return torch.zeros(num_blocks, model_config.num_layers, 2, cache_config.block_size,
-                       model_config.num_kv_heads, model_config.head_dim,
+                       model_config.num_kv_heads,
+                       stored_head_dim(cache_config.dtype, model_config.head_dim),
                        dtype=kv_dtype(cache_config), device=device)
 
 

@@ -36,11 +36,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, ClassVar
 
+from engine.kv_cache.quant_format import SCALE_BYTES, is_quantized, stored_head_dim
+
 if TYPE_CHECKING:
     import torch
 
 KV_WIRE_VERSION = 1
-# 1: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-contiguous.
+# 1: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-contiguous; for a
+#    quantized dtype (int8, float8_e4m3fn) each row is head_dim codes + its 4-byte fp32 scale.
 KV_LAYOUT_VERSION = 1
 
 class KVTransferError(RuntimeError):
@@ -49,7 +52,12 @@ class KVTransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVCompat:
-    """The values that must be equal on both sides for a block to mean the same thing."""
+    """The values that must be equal on both sides for a block to mean the same thing.
+
+    ``dtype`` is the cache's storage dtype (``CacheConfig.dtype``: float32, int8, ...) and
+    ``head_dim`` the model's; a quantized cache's rows are wider by their scale (``block_shape``),
+    so an int8 worker and an fp32 one never agree on the hash and refuse each other's blocks.
+    """
 
     model_name: str
     dtype: str
@@ -62,9 +70,10 @@ class KVCompat:
     @classmethod
     def from_kv_cache(cls, model_name: str, kv_cache: torch.Tensor) -> KVCompat:
         check_kv_layout(kv_cache)
-        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(model_name, str(kv_cache.dtype).removeprefix("torch."), block_size,
-                   num_layers, num_kv_heads, head_dim)
+        _, num_layers, _, block_size, num_kv_heads, row_width = kv_cache.shape
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        head_dim = row_width - SCALE_BYTES if is_quantized(dtype) else row_width
+        return cls(model_name, dtype, block_size, num_layers, num_kv_heads, head_dim)
 
     @property
     def hash(self) -> str:
@@ -72,8 +81,10 @@ class KVCompat:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one stored block: [num_layers, 2, block_size, num_kv_heads, head_dim], with
+        head_dim + 4 (the scale's bytes) for a quantized dtype."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads,
+                stored_head_dim(self.dtype, self.head_dim))
 
     def check_matches(self, remote: KVCompat, sides: tuple[str, str] = ("local", "remote")) -> None:
         """Raise :class:`KVTransferError` listing each field that differs from ``remote``.
@@ -86,7 +97,8 @@ class KVCompat:
         if diffs:
             raise KVTransferError(
                 "KV caches are incompatible (" + "; ".join(diffs) + "); the prefill and decode "
-                "workers must serve the same model with the same cache dtype and block size")
+                "workers must serve the same model with the same cache dtype (--kv-cache-dtype) "
+                "and block size")
 
 
 def kv_compat_hash(model_name: str, dtype: str, block_size: int, num_layers: int,

@@ -6,11 +6,12 @@ decide anything; the scheduler did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.quant_format import is_quantized
 from engine.kv_cache.storage import allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import LoadedModel
@@ -26,13 +27,24 @@ from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.verify import verify_drafts
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from kernels.calibration import ModelDims
-from kernels.ops import get_ops, select_backend
+from kernels.ops import Ops, compiled_ops, get_ops, select_backend
 
 
 def model_dims(config: ModelConfig) -> ModelDims:
     """The shapes the kernel calibration measures with (``kernels.calibration``)."""
     return ModelDims(config.hidden_size, config.intermediate_size, config.num_heads,
                      config.num_kv_heads, config.head_dim, config.num_layers)
+
+
+def kv_quant_ops(ops: Ops, backend: str) -> Ops:
+    """``ops`` for a quantized KV cache: on the 'cpu' backend the compiled store and attention
+    serve every size (they read the 1-byte codes in place; the calibration's torch choice was
+    timed on an fp32 cache and would dequantize the whole context on every call). The 'torch'
+    and 'triton' ops read the quantized cache as they are."""
+    if backend != "cpu":
+        return ops
+    compiled = compiled_ops()
+    return replace(ops, store_kv=compiled.store_kv, paged_attention=compiled.paged_attention)
 
 
 @dataclass(slots=True)
@@ -53,8 +65,10 @@ class ModelRunner:
             configure_cpu_threads(config.num_threads, self.backend)
         plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
                               config.dtype)
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights,
-                                      get_ops(self.backend, model_dims(loaded.config)), self.device, dtype,
+        ops = get_ops(self.backend, model_dims(loaded.config))
+        if is_quantized(config.cache.dtype):
+            ops = kv_quant_ops(ops, self.backend)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, ops, self.device, dtype,
                                       quant_plan=plan)
         self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)
         self.block_size = config.cache.block_size

@@ -1,4 +1,5 @@
-"""Paged attention on CPU: the compiled kernel ``csrc/attention.cpp``, fp32 only.
+"""Paged attention on CPU: the compiled kernel ``csrc/attention.cpp``: fp32 queries over an fp32
+cache, or a quantized one (int8 / float8_e4m3fn rows with their scale, ``kernels.kv_quant``).
 
 Same contract as ``kernels.paged_attention_ref.paged_attention_ref`` (read its module
 docstring): K/V rows are read in place from the strided per-layer views of the block cache, one

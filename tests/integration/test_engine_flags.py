@@ -35,7 +35,7 @@ FLAGS = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=64_000_000,
                    enable_prefix_caching=False, max_num_seqs=7, max_num_batched_tokens=256,
                    max_model_len=384, dtype="bfloat16", num_threads=1, spec_method="ngram",
                    spec_k=3, spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5,
-                   cpu_offload_gb=0.25,
+                   cpu_offload_gb=0.25, kv_cache_dtype="int8",
                    weight_format="auto")  # with bfloat16: the fp32 weights
 
 

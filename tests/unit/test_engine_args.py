@@ -36,7 +36,7 @@ CHANGED = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=100_000_00
                      max_model_len=384, device="cuda", dtype="bfloat16", num_threads=1,
                      spec_method="ngram", spec_k=3, draft_model="/models/draft.gguf",
                      spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5, cpu_offload_gb=0.25,
-                     weight_format="auto")
+                     weight_format="auto", kv_cache_dtype="int8")
 
 
 def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
@@ -71,7 +71,7 @@ def test_build_applies_every_field():
     assert CHANGED.build(MODEL, Role.DECODE) == EngineConfig(
         model=dataclasses.replace(MODEL, max_model_len=384),
         cache=CacheConfig(block_size=32, num_blocks=48, memory_budget_bytes=100_000_000,
-                          dtype="bfloat16", enable_prefix_caching=False, cpu_offload_bytes=2**28),
+                          dtype="int8", enable_prefix_caching=False, cpu_offload_bytes=2**28),
         scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=256, role=Role.DECODE),
         spec=SpecConfig(method="ngram", k=3, draft_model="/models/draft.gguf", num_layers=6,
                         max_batch=8, draft_cost=0.5),
@@ -80,6 +80,15 @@ def test_build_applies_every_field():
     for f in dataclasses.fields(EngineArgs):  # none of them is dropped on the way
         one = EngineArgs(**{f.name: getattr(CHANGED, f.name)})
         assert one.build(MODEL, Role.DECODE) != default, f.name
+
+
+def test_kv_cache_dtype_names_the_cache_storage():
+    dtypes = {value: EngineArgs(kv_cache_dtype=value).build(MODEL, Role.DECODE).cache.dtype
+              for value in ("auto", "fp32", "int8", "fp8")}
+    assert dtypes == {"auto": "float32", "fp32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
+    assert EngineArgs(dtype="bfloat16").build(MODEL, Role.DECODE).cache.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto|fp32|int8|fp8, got 'int4'"):
+        EngineArgs(kv_cache_dtype="int4").build(MODEL, Role.DECODE)
 
 
 def test_prefill_never_speculates_but_checks_the_spec_flags():

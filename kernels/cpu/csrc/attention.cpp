@@ -1,6 +1,10 @@
 // Paged attention on CPU, reading K/V rows in place from the block-paged cache (no gather).
 //
-// Contract: kernels/paged_attention_ref.py (module docstring); fp32 only. One kernel serves
+// Contract: kernels/paged_attention_ref.py (module docstring); fp32 queries, and an fp32 or a
+// quantized cache (int8 or float8_e4m3fn rows: head_dim codes, then the row's fp32 scale; see
+// kernels/kv_quant.py), whose tiles are dequantized once into an fp32 scratch tile (codes widened
+// in registers, times the row's scale) that every query of the item then reads from L1: the
+// group's queries share each conversion. One kernel serves
 // every query length: decode (q_len 1), spec verification, chunked prefill on a prefix.
 //
 // Work item = (sequence, KV head, tile of up to kRowsPerItem query rows). The `group` query
@@ -25,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -92,11 +97,52 @@ inline vfloat vexp2(vfloat x) {
   return p * two_n;
 }
 
+// How a cache row is read: Rows::load(p) gives kLanes values of the row at p (before its
+// scale), Rows::scale(row, head_dim) the row's scale. F32Rows are read in place.
+struct F32Rows {
+  using T = float;
+  static constexpr int64_t kScaleBytes = 0;
+};
+
+struct Int8Rows {
+  using T = signed char;
+  static constexpr int64_t kScaleBytes = 4;
+  static vfloat load(const T* p) { return vload_int8(p); }
+  static float scale(const T* row, int64_t head_dim) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s;
+  }
+};
+
+struct Fp8Rows {
+  using T = unsigned char;
+  static constexpr int64_t kScaleBytes = 4;
+  static vfloat load(const T* p) { return vload_fp8(p); }
+  static float scale(const T* row, int64_t head_dim) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s * kFp8Bias;
+  }
+};
+
+// n quantized rows -> fp32 rows of head_dim at dst (scale applied).
+template <class R>
+inline void dequantize_tile(const typename R::T* rows, int64_t stride, int64_t n, int nv, int64_t head_dim,
+                            float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const typename R::T* row = rows + j * stride;
+    const vfloat scale = vsplat(R::scale(row, head_dim));
+    for (int c = 0; c < nv; ++c) vstore(dst + j * head_dim + c * kLanes, R::load(row + c * kLanes) * scale);
+  }
+}
+
 // Ask for the K or V rows of the next block while this one computes: block ids are scattered,
 // so the hardware prefetcher cannot guess the jump.
-inline void prefetch_rows(const float* rows, int64_t num_rows, int64_t stride, int nv) {
+template <class T>
+inline void prefetch_rows(const T* rows, int64_t num_rows, int64_t stride, int64_t row_bytes) {
   for (int64_t j = 0; j < num_rows; ++j)
-    for (int c = 0; c < nv; ++c) __builtin_prefetch(rows + j * stride + c * kLanes);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b);
 }
 
 // Integer tensors may be int32 or int64; read one element either way.
@@ -117,8 +163,8 @@ struct IndexView {
 struct Layout {
   const float* query;  // [num_tokens, num_heads, head_dim]
   int64_t q_stride_token, q_stride_head;
-  const float* key;  // [num_blocks, block_size, num_kv_heads, head_dim]
-  const float* value;
+  const void* key;  // [num_blocks, block_size, num_kv_heads, head_dim (+ 4 when quantized)]
+  const void* value;
   int64_t k_stride_block, k_stride_slot, k_stride_head;
   int64_t v_stride_block, v_stride_slot, v_stride_head;
   float* out;
@@ -155,11 +201,13 @@ struct Partials {
         m(num_slots * max_queries), l(num_slots * max_queries) {}
 };
 
-// Scratch of one thread, reused across its items: num_rows * group queries.
+// Scratch of one thread, reused across its items: num_rows * group queries, and one K and one
+// V tile of kLanes rows (a quantized cache's tiles, dequantized).
 struct Scratch {
-  std::vector<float> q, acc, m, l;
+  std::vector<float> q, acc, m, l, k_tile, v_tile;
   explicit Scratch(int64_t max_queries, int64_t head_dim)
-      : q(max_queries * head_dim), acc(max_queries * head_dim), m(max_queries), l(max_queries) {}
+      : q(max_queries * head_dim), acc(max_queries * head_dim), m(max_queries), l(max_queries),
+        k_tile(kLanes * head_dim), v_tile(kLanes * head_dim) {}
 };
 
 // Scores of one query against the keys of one tile, scaled to base 2: lane j = q . K_j for
@@ -178,9 +226,13 @@ inline vfloat tile_scores(const float* q, const float* k_rows, int64_t k_stride,
   return kIota < static_cast<int>(visible) ? scores : vsplat(-INFINITY);
 }
 
-template <int NV>
+template <class R, int NV>
 void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) {
+  using T = typename R::T;
   const int nv = NV ? NV : static_cast<int>(L.head_dim / kLanes);
+  const int64_t row_bytes = L.head_dim * static_cast<int64_t>(sizeof(T)) + R::kScaleBytes;
+  const T* key = static_cast<const T*>(L.key);
+  const T* value = static_cast<const T*>(L.value);
   const int64_t group = L.group, nq = w.num_rows * group;  // query i = row (i / group), head (i % group)
   for (int64_t i = 0; i < nq; ++i) {
     const float* src = L.query + (w.first_token + i / group) * L.q_stride_token +
@@ -197,18 +249,27 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
     const int64_t block_index = t0 / L.block_size, slot0 = t0 % L.block_size;
     const int64_t n = std::min<int64_t>({kLanes, L.block_size - slot0, kv_end - t0});
     const int64_t block = L.block_id(w.seq, block_index);
-    const float* k_rows = L.key + block * L.k_stride_block + slot0 * L.k_stride_slot + w.kv_head * L.k_stride_head;
-    const float* v_rows = L.value + block * L.v_stride_block + slot0 * L.v_stride_slot + w.kv_head * L.v_stride_head;
+    const T* k_src = key + block * L.k_stride_block + slot0 * L.k_stride_slot + w.kv_head * L.k_stride_head;
+    const T* v_src = value + block * L.v_stride_block + slot0 * L.v_stride_slot + w.kv_head * L.v_stride_head;
+    const float *k_rows, *v_rows;
+    int64_t k_stride, v_stride;
+    if constexpr (std::is_same_v<R, F32Rows>) {
+      k_rows = k_src, v_rows = v_src, k_stride = L.k_stride_slot, v_stride = L.v_stride_slot;
+    } else {
+      dequantize_tile<R>(k_src, L.k_stride_slot, n, nv, L.head_dim, s.k_tile.data());
+      dequantize_tile<R>(v_src, L.v_stride_slot, n, nv, L.head_dim, s.v_tile.data());
+      k_rows = s.k_tile.data(), v_rows = s.v_tile.data(), k_stride = v_stride = L.head_dim;
+    }
     if (slot0 == 0 && t0 + L.block_size < kv_end) {
       const int64_t next = L.block_id(w.seq, block_index + 1);
       const int64_t next_rows = std::min(L.block_size, kv_end - t0 - L.block_size);
-      prefetch_rows(L.key + next * L.k_stride_block + w.kv_head * L.k_stride_head, next_rows, L.k_stride_slot, nv);
-      prefetch_rows(L.value + next * L.v_stride_block + w.kv_head * L.v_stride_head, next_rows, L.v_stride_slot, nv);
+      prefetch_rows(key + next * L.k_stride_block + w.kv_head * L.k_stride_head, next_rows, L.k_stride_slot, row_bytes);
+      prefetch_rows(value + next * L.v_stride_block + w.kv_head * L.v_stride_head, next_rows, L.v_stride_slot, row_bytes);
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t visible = std::min(n, w.first_pos + i / group - t0 + 1);  // causal
       if (visible <= 0) continue;
-      const vfloat scores = tile_scores<NV>(&s.q[i * L.head_dim], k_rows, L.k_stride_slot, visible, nv);
+      const vfloat scores = tile_scores<NV>(&s.q[i * L.head_dim], k_rows, k_stride, visible, nv);
       // online softmax: rescale what was accumulated when the running max grows
       const float m_new = std::max(s.m[i], vmax_lane(scores));
       const float correction = std::exp2(s.m[i] - m_new);
@@ -220,7 +281,7 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
       for (int c = 0; c < nv; ++c) acc[c] = vload(acc_i + c * kLanes) * correction;
       for (int64_t j = 0; j < visible; ++j) {
         const float weight = weights[j];
-        for (int c = 0; c < nv; ++c) acc[c] += weight * vload(v_rows + j * L.v_stride_slot + c * kLanes);
+        for (int c = 0; c < nv; ++c) acc[c] += weight * vload(v_rows + j * v_stride + c * kLanes);
       }
       for (int c = 0; c < nv; ++c) vstore(acc_i + c * kLanes, acc[c]);
     }
@@ -270,6 +331,16 @@ void check_float_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
   TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must have stride 1 in its last dim, got strides ", t.strides());
 }
 
+// The cache: fp32, or a quantized dtype (int8, float8_e4m3fn) whose rows carry 4 scale bytes.
+void check_cache_tensor(const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  const auto type = t.scalar_type();
+  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kChar || type == at::kFloat8_e4m3fn, name,
+                    " must be float32, int8 or float8_e4m3fn on the CPU kernel path, got ", type);
+  TORCH_CHECK_VALUE(t.dim() == 4, name, " must be 4-d, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must have stride 1 in its last dim, got strides ", t.strides());
+}
+
 void check_index_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   TORCH_CHECK_VALUE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
@@ -283,8 +354,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                      int64_t max_seqlen_q, double scale, const at::Tensor& out, int64_t max_kernel_q_len) {
   check_float_tensor("query", query, 3);
-  check_float_tensor("key_cache", key_cache, 4);
-  check_float_tensor("value_cache", value_cache, 4);
+  check_cache_tensor("key_cache", key_cache);
+  check_cache_tensor("value_cache", value_cache);
   check_float_tensor("out", out, 3);
   check_index_tensor("block_tables", block_tables, 2);
   check_index_tensor("seq_lens", seq_lens, 1);
@@ -293,8 +364,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), num_seqs = block_tables.size(0);
   const int64_t max_blocks_per_seq = block_tables.size(1);
-  TORCH_CHECK_VALUE(key_cache.size(3) == head_dim, "key_cache must have head_dim ", head_dim,
-                    " like query, got shape ", key_cache.sizes());
+  const bool is_quantized = key_cache.scalar_type() != at::kFloat;
+  TORCH_CHECK_VALUE(key_cache.size(3) == head_dim + (is_quantized ? 4 : 0), "key_cache must have head_dim ",
+                    head_dim, " like query", is_quantized ? " plus 4 scale bytes (a quantized cache)" : "",
+                    ", got shape ", key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache must have the dtype of "
+                    "key_cache (", key_cache.scalar_type(), "), got ", value_cache.scalar_type());
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache must have the shape of key_cache ",
                     key_cache.sizes(), ", got ", value_cache.sizes());
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out must have the shape of query ", query.sizes(), ", got ",
@@ -313,7 +388,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 
   const IndexView lens(seq_lens), cu(cu_seqlens_q);
   const Layout L{query.data_ptr<float>(), query.stride(0), query.stride(1),
-                 key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                 key_cache.data_ptr(), value_cache.data_ptr(),
                  key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                  value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
                  out.data_ptr<float>(), out.stride(0), out.stride(1),
@@ -401,10 +476,18 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_fn(L, items[i], scratch, partials);
     });
   };
-  switch (head_dim) {
-    case 64: run(attend<64 / kLanes>); break;
-    case 128: run(attend<128 / kLanes>); break;
-    default: run(attend<0>); break;
+  auto run_rows = [&](auto rows) {
+    using R = decltype(rows);
+    switch (head_dim) {
+      case 64: run(attend<R, 64 / kLanes>); break;
+      case 128: run(attend<R, 128 / kLanes>); break;
+      default: run(attend<R, 0>); break;
+    }
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kChar: run_rows(Int8Rows{}); break;
+    case at::kFloat8_e4m3fn: run_rows(Fp8Rows{}); break;
+    default: run_rows(F32Rows{}); break;
   }
   for (size_t k = 0; k < split_firsts.size(); ++k) merge_splits(L, split_firsts[k], split_counts[k], partials);
 }
