@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -73,13 +74,21 @@ class EngineCore:
         return host_tier
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[str]:
+                    params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:
         """Validate and queue a request. Raises ValueError naming what is wrong.
 
         Returns the ids of its samples: ``[request_id]``, or ``"<request_id>/<i>"`` for
         i < n when n > 1 (sample i is seeded with seed + i; samples 1.. share sample 0's
-        prompt blocks)."""
+        prompt blocks).
+
+        ``resumed_output_token_ids`` (n=1 only): output tokens another engine already produced
+        for this request (a migration after a worker died). The request starts as if preempted
+        after them: their KV is computed with the prompt's, and the next token is output
+        position ``len(resumed_output_token_ids)``, so max_tokens, min_tokens, penalties and a
+        seeded generator (keyed by output position) continue exactly where they stopped."""
         params = self._validate(prompt_token_ids, params)
+        if resumed_output_token_ids:
+            self._validate_resumed(list(resumed_output_token_ids), params)
         if request_id in self._samples:
             raise ValueError(f"request id {request_id!r} is already in use")
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
@@ -93,6 +102,7 @@ class EngineCore:
             requests.append(Request(
                 sample_id, prompt_token_ids, sample_params, self.model_config.eos_token_ids,
                 generator, parent_id=request_id if params.n > 1 else None, index=index))
+        requests[0].output_token_ids.extend(resumed_output_token_ids)
         self.scheduler.add_request(requests[0])
         for request in requests[1:]:
             self.scheduler.add_request(request, fork_from=requests[0].request_id)
@@ -110,6 +120,19 @@ class EngineCore:
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.with_bad_words_tokenized(self.tokenizer.encode)
         return params
+
+    def _validate_resumed(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"resumed output token ids out of vocabulary [0, {vocab_size}): {bad[:8]}")
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise ValueError("a resumed request takes n=1 and no prompt_logprobs (they were "
+                             f"sent before it moved); got n={params.n}, "
+                             f"prompt_logprobs={params.prompt_logprobs}")
+        if params.max_tokens is not None and len(token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(token_ids)} resumed output tokens leave nothing to generate "
+                             f"under max_tokens {params.max_tokens}")
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples). Unknown or finished ids are ignored."""
