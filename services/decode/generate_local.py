@@ -3,9 +3,10 @@
 The router's conditional disaggregation sends a request here when the part of its prompt this
 worker has not cached is short (or it holds most of the prompt and has room): computing that
 part locally is cheaper than a remote prefill plus a KV transfer. The DECODE-role engine admits
-such a request like a colocated one. The stream is ``DecodeResponse``s, the first carrying the
-first token, ``num_cached_prompt_tokens`` and its TTFT stages (queue, compute); the last has a
-finish reason.
+such a request like a colocated one. The router also resumes a request here after the decode
+worker serving it died (``resumed_output_token_ids``: ``EngineCore.add_request``). The stream
+is ``DecodeResponse``s, the first carrying the first (new) token, ``num_cached_prompt_tokens``
+and its TTFT stages (queue, compute); the last has a finish reason.
 
 Bad input (empty id, bad params, n > 1, a prompt that cannot fit) is INVALID_ARGUMENT before
 any response; a duplicate id ALREADY_EXISTS. A cancelled call aborts the request in the engine,
@@ -36,6 +37,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
     arrived_at = time.monotonic()
     request_id = request.request_id
     prompt = list(request.prompt_token_ids)
+    resumed = list(request.resumed_output_token_ids)
     if not request_id:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Generate: request_id is empty")
     if not prompt:
@@ -56,7 +58,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
     # add_request as queued on the engine thread: applied even if this call is cancelled while
     # waiting, so the cleanup waits for it before aborting.
     adding = asyncio.ensure_future(
-        engine.call(lambda core: core.add_request(request_id, prompt, params)))
+        engine.call(lambda core: core.add_request(request_id, prompt, params, resumed)))
     try:
         try:
             await asyncio.shield(adding)

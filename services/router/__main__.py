@@ -48,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--local-prefill-max-tokens", type=int, default=64,
                      help="with --redis-url: prefill on the decode worker itself when the part of "
                           "the prompt it has not cached is at most this many tokens (0: never)")
+    add_env_argument(parser, "--max-migrations", type=int, default=3,
+                     help="times a request moves to another worker when its worker dies or "
+                          "drains mid-stream (0: never; the request fails)")
     add_env_argument(parser, "--debug-route", action="store_true",
                      help="debug mode: tell each client how its request was routed and where its "
                           "TTFT went (HTTP headers / gRPC trailing metadata pdserve-route: "
@@ -72,6 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     install_from_args(args, parser)  # the router's channels to its workers
     if args.local_prefill_max_tokens < 0:
         parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
+    if args.max_migrations < 0:
+        parser.error(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.colocated and (args.prefill or args.decode):
         parser.error("--colocated runs its own engine; drop --prefill / --decode")
     if not args.colocated and not (args.prefill and args.decode):
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
                           limits=args.limits, admission=args.admission)
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
-                            local_prefill_max_tokens=args.local_prefill_max_tokens)
+                            local_prefill_max_tokens=args.local_prefill_max_tokens,
+                            max_migrations=args.max_migrations)
     try:
         asyncio.run(run_router(config, backend))
     except (OSError, ValueError, IndexMetaMismatch) as error:  # a port in use, a bad model, ...

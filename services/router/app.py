@@ -158,10 +158,11 @@ def is_loopback(host: str) -> bool:
 
 def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
                   prefill: list[str], decode: list[str], transfer: str, redis_url: str = "",
-                  local_prefill_max_tokens: int = 64) -> Backend:
+                  local_prefill_max_tokens: int = 64, max_migrations: int = 3) -> Backend:
     """The in-process engine built from ``engine_args`` (colocated), or the workers; with a
     ``redis_url`` the workers are picked by the prefix index (KV-aware, conditional
-    disaggregation), else by load."""
+    disaggregation), else by load. A sample whose worker dies moves to another up to
+    ``max_migrations`` times (services/router/migration.py)."""
     if colocated:
         return ColocatedBackend(model, engine_args)
     from services.router.disaggregated import DisaggregatedBackend  # written alongside, lazily
@@ -172,7 +173,8 @@ def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
         from services.router.route_plan import RouteConfig
 
         policy = PrefixAwarePolicy(redis_url, RouteConfig(local_prefill_max_tokens=local_prefill_max_tokens))
-    return DisaggregatedBackend(prefill, decode, transfer=transfer, policy=policy)
+    return DisaggregatedBackend(prefill, decode, transfer=transfer, policy=policy,
+                                max_migrations=max_migrations)
 
 
 async def run_router(config: RouterConfig, backend: Backend) -> None:

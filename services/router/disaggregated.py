@@ -18,8 +18,11 @@ One sample (a *pipeline*)::
 * Closing the iterator (stop string, client gone) cancels both calls: each worker frees what
   it holds. If the prefill call had already finished (all KV pushed) the router also sends
   ReleaseBlocks, for a Decode call that may never have reached the decode worker.
-* A worker failing mid-stream ends that request with BackendError and marks the worker
-  unhealthy until a health poll passes again. Every call carries a deadline: the request's
+* A worker lost mid-stream (gone, reset, or drained past its grace: migration.LOST_CODES)
+  is marked unhealthy until a health check passes again, and the sample migrates
+  (services/router/migration.py): it starts over when no token was streamed yet, else a decode
+  worker resumes it after the streamed tokens; at most ``max_migrations`` times. Other
+  failures end the request with BackendError. Every call carries a deadline: the request's
   time left (services/router/deadline.py) when it has one, else the call's default.
 """
 
@@ -49,6 +52,7 @@ from services.router.backend import Backend, BackendError, Overloaded, TokenEven
 from services.router.deadline import remaining_s
 from services.router.local_path import run_local
 from services.router.metrics import RouterMetrics
+from services.router.migration import DEFAULT_MAX_MIGRATIONS, LOST_CODES, WorkerLost, migrating
 from services.router.policy import LoadPolicy, RoutingPolicy
 from services.router.prefix_aware import PrefixAwarePolicy
 from services.router.route_decisions import RouteDecisions
@@ -65,11 +69,14 @@ class DisaggregatedBackend(Backend):
     def __init__(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str],
                  transfer: str = "nixl", *, policy: RoutingPolicy | None = None,
                  poll_interval_s: float = 0.5, rpc_timeout_s: float = 1.0,
-                 prefill_timeout_s: float = 300.0, decode_timeout_s: float = 3600.0) -> None:
+                 prefill_timeout_s: float = 300.0, decode_timeout_s: float = 3600.0,
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
         if not prefill_addresses or not decode_addresses:
             raise ValueError("a disaggregated router needs at least one prefill and one decode "
                              f"worker; got prefill={list(prefill_addresses)} "
                              f"decode={list(decode_addresses)}")
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         if transfer not in TRANSFER_METHODS:
             raise ValueError(f"transfer must be one of {sorted(TRANSFER_METHODS)}, got {transfer!r}")
         self.pool = WorkerPool(prefill_addresses, decode_addresses, poll_interval_s, rpc_timeout_s)
@@ -80,6 +87,8 @@ class DisaggregatedBackend(Backend):
         self.transfer_method = TRANSFER_METHODS[transfer]
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
+        self.max_migrations = max_migrations
+        self.num_migrations = 0  # samples moved to another worker since start (migration.py)
         self._background: set[asyncio.Task] = set()
 
     def attach_metrics(self, metrics: RouterMetrics) -> None:
@@ -185,26 +194,37 @@ class DisaggregatedBackend(Backend):
         plan = await self._plan(request_id, prompt, params)
         lookup_s = (time.monotonic() - planned_at) if isinstance(self.policy, PrefixAwarePolicy) else None
         try:
-            if plan is not None and plan.path == "local" and params.prompt_logprobs is None:
-                decode = next((w for w in self.pool.healthy("decode")
-                               if w.address == plan.decode_address), None)
-                if decode is not None:
-                    local = run_local(self, decode, request_id, prompt, params, index, plan)
-                    try:
-                        async for event in local:
-                            yield _with_lookup(event, lookup_s)
-                    finally:
-                        await local.aclose()
-                    return
-            remote = self._remote(request_id, prompt, params, index, plan)
+            events = migrating(self, request_id, prompt, params, index,
+                               self._first_attempt(request_id, prompt, params, index, plan))
             try:
-                async for event in remote:
+                async for event in events:
                     yield _with_lookup(event, lookup_s)
             finally:
-                await remote.aclose()
+                await events.aclose()
         finally:
             if isinstance(self.policy, PrefixAwarePolicy):
                 self.policy.finish(request_id)
+
+    async def _first_attempt(self, request_id: str, prompt: list[int], params: SamplingParams,
+                             index: int, plan: RoutePlan | None) -> AsyncIterator[TokenEvent]:
+        """The sample on the path its plan chose (local when planned and possible, else remote)."""
+        if plan is not None and plan.path == "local" and params.prompt_logprobs is None:
+            decode = next((w for w in self.pool.healthy("decode")
+                           if w.address == plan.decode_address), None)
+            if decode is not None:
+                local = run_local(self, decode, request_id, prompt, params, index, plan)
+                try:
+                    async for event in local:
+                        yield event
+                finally:
+                    await local.aclose()
+                return
+        remote = self._remote(request_id, prompt, params, index, plan)
+        try:
+            async for event in remote:
+                yield event
+        finally:
+            await remote.aclose()
 
     async def _remote(self, request_id: str, prompt: list[int], params: SamplingParams,
                       index: int, plan: RoutePlan | None) -> AsyncIterator[TokenEvent]:
@@ -223,8 +243,7 @@ class DisaggregatedBackend(Backend):
                     reservation = response.reservation
                 response = await self._read(prefill_call, prefill)
                 if response is grpc.aio.EOF:
-                    raise BackendError(f"prefill worker {prefill.address} ended {request_id!r} "
-                                       "without a first token")
+                    raise WorkerLost(prefill, f"it ended {request_id!r} without a first token")
             on_prefill.end_prefill()
             first = response.first_token
             finish = finish_from_proto(first.finish_reason)
@@ -359,8 +378,7 @@ class DisaggregatedBackend(Backend):
             if not read.done():
                 read.cancel()
         if response is grpc.aio.EOF:
-            raise BackendError(f"decode worker {decode.address} ended the stream without a "
-                               "finish reason")
+            raise WorkerLost(decode, "it ended the stream without a finish reason")
         return response
 
     async def _release_after(self, prefill_call, decode: Worker, reservation_id: str) -> None:
@@ -414,4 +432,6 @@ def _error(role: str, worker: Worker, exc: grpc.aio.AioRpcError,
         return Overloaded(details)
     if code is grpc.StatusCode.UNAVAILABLE and _failed_peer(exc) != "decode":
         worker.mark_unhealthy(details)
+    if after_start and code in LOST_CODES:
+        return WorkerLost(worker, f"{code.name}: {details}")
     return BackendError(f"{role} worker {worker.address} failed: {code.name}: {details}")

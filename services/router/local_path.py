@@ -3,9 +3,9 @@
 
 If the decode worker is full or unreachable before the first event, the sample falls back to
 the remote path (the load policy picks both workers; counted as ``remote/retry``). After the
-first event a failure ends the request with BackendError and, if the worker is unreachable,
-marks it unhealthy. Closing the iterator cancels the call: the worker aborts the request and
-frees its blocks.
+first event a lost worker (migration.LOST_CODES) raises WorkerLost, and the sample migrates
+(services/router/migration.py); other failures end it with BackendError. Closing the
+iterator cancels the call: the worker aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from services.common.wire import (
 )
 from services.router.backend import BackendError, TokenEvent
 from services.router.deadline import remaining_s
+from services.router.migration import LOST_CODES, WorkerLost
 from services.router.route_plan import RoutePlan
 from services.router.worker_pool import Worker
 
@@ -68,11 +69,12 @@ async def run_local(backend: DisaggregatedBackend, decode: Worker, request_id: s
                     raise ValueError(exc.details()) from exc
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
                     decode.mark_unhealthy(exc.details())
+                if exc.code() in LOST_CODES:
+                    raise WorkerLost(decode, f"{exc.code().name}: {exc.details()}") from exc
                 raise BackendError(f"decode worker {decode.address} failed: {exc.code().name}: "
                                    f"{exc.details()}") from exc
             if response is grpc.aio.EOF:
-                raise BackendError(f"decode worker {decode.address} ended {request_id!r} "
-                                   "without a finish reason")
+                raise WorkerLost(decode, f"it ended {request_id!r} without a finish reason")
             finish = finish_from_proto(response.finish_reason)
             finished = finish is not None
             event = TokenEvent(
