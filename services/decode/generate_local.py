@@ -23,6 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from services.common.async_engine import AsyncEngine, EngineDead
+from services.common.faults import faults
 from services.common.pb import worker_pb2
 from services.common.wire import decode_response, params_from_proto, ttft_stages_to_proto
 from services.worker.stats import PrefixCounters
@@ -69,6 +70,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
                 on_added()
         taken_at = time.monotonic()
         is_first = True
+        num_streamed = 0
         while not finished:
             output = await engine.next_output(queue)
             finished = output.finished
@@ -81,6 +83,8 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
                 counters.add(len(prompt), output.num_cached_tokens)
                 is_first = False
             await context.write(response)
+            num_streamed += len(output.new_token_ids)
+            faults().after_decode_tokens(num_streamed)  # PDSERVE_FAULTS only
     except EngineDead as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     finally:

@@ -34,6 +34,7 @@ import grpc
 from engine.config import Role
 from engine.mathutils import cdiv
 from services.common.async_engine import EngineDead
+from services.common.faults import faults
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
@@ -202,6 +203,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             queue = self.engine.subscribe(request_id)
             await self.engine.call(lambda core: core.finish_remote_kv(request_id, first_token))
             timer.on_scheduled()
+            num_streamed = 1  # the first token, sampled by the prefill worker
             while not finished:
                 output = await self.engine.next_output(queue)
                 finished = output.finished
@@ -210,6 +212,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                     timer.on_finished(output.finish_reason)
                 response = decode_response(request_id, output)
                 await context.write(response)
+                num_streamed += len(output.new_token_ids)
+                faults().after_decode_tokens(num_streamed)  # PDSERVE_FAULTS only
         except EngineDead as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:

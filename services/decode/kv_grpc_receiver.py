@@ -12,6 +12,7 @@ stream, DEADLINE_EXCEEDED / CANCELLED as gRPC reports them.
 from __future__ import annotations
 
 import collections
+import zlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -62,7 +63,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
         kv_cache = self.receiver.kv_cache
         header: kv_pb2.PushBlocksHeader | None = None
         dst_block_ids: list[int] = []
-        received = 0
+        received = crc = 0
         async for chunk in request_iterator:
             if header is None:
                 if not chunk.HasField("header"):
@@ -84,6 +85,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
                                     f"{len(chunk.data)} bytes; expected offset {received} and "
                                     f"at most {header.total_bytes} bytes in all")
             write_packed_range(kv_cache, dst_block_ids, received, chunk.data)
+            crc = zlib.crc32(chunk.data, crc)
             received += len(chunk.data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: empty stream")
@@ -91,6 +93,12 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"PushBlocks: stream ended after {received} of "
                                 f"{header.total_bytes} bytes")
+        if header.HasField("crc32") and crc != header.crc32:
+            # the blocks stay reserved and undelivered: the sender sees the push fail
+            await context.abort(grpc.StatusCode.DATA_LOSS,
+                                f"PushBlocks: payload crc32 {crc:#010x} != header crc32 "
+                                f"{header.crc32:#010x}: the KV of {header.request_id!r} was "
+                                "corrupted in transit")
         self.receiver.deliver(KVNotification(header.request_id, tuple(dst_block_ids),
                                              sender=header.sender_agent_name or context.peer()))
         return kv_pb2.PushBlocksAck(request_id=header.request_id, num_blocks=len(dst_block_ids),

@@ -27,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.kv_cache.hashing import BlockHash
+from services.common.faults import faults
 from services.index.breaker import BreakerState, CircuitBreaker
 from services.index.config import IndexClientConfig
 from services.index.schema import IndexMeta, IndexMetaMismatch
@@ -124,6 +125,7 @@ class IndexClient:
         if not self.breaker.allow():
             return None
         try:
+            faults().redis_stall()  # PDSERVE_FAULTS only
             result = call()
         except redis.RedisError:
             self.breaker.record_failure()

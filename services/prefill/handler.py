@@ -40,6 +40,7 @@ from engine.config import Role
 from engine.kv_transfer.base import KVTransferError
 from engine.sampling_params import SamplingParams
 from services.common.async_engine import EngineDead
+from services.common.faults import faults
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     FAILED_PEER_KEY,
@@ -220,6 +221,7 @@ class _PrefillJob:
                     stages["kv_transfer"] = push_s
                 first.stages.CopyFrom(ttft_stages_to_proto(stages))
                 self.worker.prefix_counters.add(len(self.prompt), output.num_cached_tokens)
+                faults().before_first_token()  # PDSERVE_FAULTS only
                 yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
             if self.transfer is not None and not ends_request:
                 push_started = time.monotonic()

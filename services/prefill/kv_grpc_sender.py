@@ -8,6 +8,7 @@ Raises KVTransferError for incompatible peers or bad block ids; a failed push is
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,6 +26,7 @@ from engine.kv_transfer.base import (
 )
 from engine.kv_transfer.packing import iter_chunks, pack_blocks
 from services.common.channels import internal_sync_channel
+from services.common.faults import faults
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.pb import kv_pb2, kv_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
@@ -88,7 +90,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             request_id=request_id, dst_block_ids=list(dst_block_ids),
             compat_hash=local.compat.hash, dtype=local.compat.dtype,
             block_shape=list(local.compat.block_shape), total_bytes=packed.numel(),
-            sender_agent_name=self.agent_name)
+            sender_agent_name=self.agent_name, crc32=zlib.crc32(packed.numpy()))
         handle = TransferHandle(request_id=request_id, num_blocks=len(src_block_ids))
         self._pushes[handle.transfer_id] = self._pool.submit(
             self._push, remote.address, header, packed)
@@ -127,7 +129,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         def chunks() -> Iterator[kv_pb2.PushBlocksChunk]:
             yield kv_pb2.PushBlocksChunk(header=header)
             for offset, data in iter_chunks(packed, self.max_chunk_bytes):
-                yield kv_pb2.PushBlocksChunk(offset=offset, data=data)
+                yield kv_pb2.PushBlocksChunk(offset=offset, data=faults().kv_corrupted(data))
 
         stub = kv_pb2_grpc.KVTransferServiceStub(self._channel(address))
         return stub.PushBlocks(chunks(), timeout=self.timeout_s)

@@ -26,6 +26,7 @@ from engine.kv_transfer.base import (
     TransferHandle,
     TransferState,
 )
+from services.common.faults import faults
 from services.common.wire import GRPC, NIXL
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,12 @@ class KVPusher:
         done: asyncio.Future[TransferHandle] = self._loop.create_future()
 
         def start() -> None:
-            handle = self.sender.send_blocks(request_id, list(src_block_ids), remote,
-                                             list(dst_block_ids))
+            if faults().kv_send_dropped():  # PDSERVE_FAULTS only (services/common/faults.py)
+                handle = TransferHandle(request_id, len(src_block_ids), state=TransferState.FAILED,
+                                        error="fault injection: KV send dropped")
+            else:
+                handle = self.sender.send_blocks(request_id, list(src_block_ids), remote,
+                                                 list(dst_block_ids))
             if handle.state is TransferState.IN_PROGRESS:
                 self._pending[handle.transfer_id] = (handle, done)
             else:

@@ -26,6 +26,7 @@ from engine.kv_transfer.base import KVCompat, KVTransferError
 from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
 from services.common.engine_flags import engine_args_from
+from services.common.faults import faults
 from services.common.grpc_server import AddServicer, start_grpc_server
 from services.common.internal_auth import install_from_args
 from services.common.metrics import MetricsServer, start_metrics_server
@@ -173,6 +174,12 @@ def run_worker(argv: Sequence[str] | None, parser: argparse.ArgumentParser, role
     args = parser.parse_args(argv)
     install_from_args(args, parser)  # internal gRPC: mTLS / token for its server and channels
     configure_logging(role, args.log_level)
+    try:
+        if faults().plan.is_active:  # PDSERVE_FAULTS, parsed once here: a bad spec fails at start
+            log.warning("fault injection on: %s", faults().plan)
+    except ValueError as exc:
+        print(f"pdserve serve {role.value}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     async def main() -> None:
         runtime = await start_runtime(args, role)
         await serve(runtime, make_handler(runtime))

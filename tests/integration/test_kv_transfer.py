@@ -245,6 +245,49 @@ def test_grpc_push_rejects_bad_block_ids_and_foreign_hash(grpc_receiver):
     assert "compat hash" in foreign.details()
 
 
+def test_grpc_push_rejects_a_corrupted_payload_by_crc32(grpc_receiver):
+    """One flipped byte: DATA_LOSS naming both checksums, and nothing is delivered (the next
+    landing the receiver reports is the intact push that follows)."""
+    import zlib
+
+    from services.common.pb import kv_pb2
+    address, conn = grpc_receiver
+    compat = KVCompat.from_kv_cache(MODEL, torch.zeros(SHAPE))
+    payload = raw(fake_kv_cache(seed=3)[[4]])
+    header = kv_pb2.PushBlocksHeader(request_id="corrupt", dst_block_ids=[4],
+                                     compat_hash=compat.hash, dtype="float32",
+                                     block_shape=list(compat.block_shape),
+                                     total_bytes=len(payload), crc32=zlib.crc32(payload))
+    flipped = bytearray(payload)
+    flipped[1000] ^= 0xFF
+    err = _push_raw(address, header, [kv_pb2.PushBlocksChunk(offset=0, data=bytes(flipped))])
+    assert err.code() is grpc.StatusCode.DATA_LOSS
+    assert f"!= header crc32 {zlib.crc32(payload):#010x}" in err.details()
+    assert "corrupted in transit" in err.details()
+    assert not conn.poll(0.2), "a corrupted push was delivered"
+
+
+def test_grpc_sender_with_corrupt_fault_fails_the_transfer(grpc_receiver, monkeypatch):
+    """PDSERVE_FAULTS=kv_transfer:corrupt:1 in the sender's process: the push fails DATA_LOSS."""
+    from services.common.faults import faults
+    from services.prefill.kv_grpc_sender import fetch_remote_handshake
+    address, conn = grpc_receiver
+    monkeypatch.setenv("PDSERVE_FAULTS", "kv_transfer:corrupt:1")
+    faults.cache_clear()
+    sender = _grpc_sender()
+    try:
+        remote = sender.connect(fetch_remote_handshake(address, sender.handshake_info()), address)
+        handle = sender.send_blocks("faulted", [1, 2], remote, [8, 9])
+        assert _wait(sender, handle) is TransferState.FAILED
+        assert handle.error.startswith("DATA_LOSS: PushBlocks: payload crc32"), handle.error
+        assert not conn.poll(0.2)
+    finally:
+        sender.close()
+        monkeypatch.delenv("PDSERVE_FAULTS")
+        faults.cache_clear()
+    assert not faults().plan.is_active
+
+
 def test_grpc_sender_checks_ids_and_reports_deadline(grpc_receiver):
     from services.prefill.kv_grpc_sender import fetch_remote_handshake
     address, _ = grpc_receiver
