@@ -3,6 +3,9 @@
 Every ``poll_interval_s`` each worker gets a grpc.health.v1 Check and a GetStats (each with a
 deadline). A worker is healthy while both succeed and it reports SERVING; a request that
 finds it unreachable marks it unhealthy at once, and it is skipped until a later poll passes.
+Each worker's grpc.health.v1 Watch stream is followed too: a drain (NOT_SERVING) or a dead
+worker (the stream breaks) takes it out of routing at once, not at the next poll; a broken
+stream is reopened after ``poll_interval_s``. An idle stream costs nothing.
 
 Load between polls: GetStats is a snapshot, so each worker also counts what this router has
 in flight on it (requests, prompt tokens not prefilled yet, reserved blocks). The estimate the
@@ -110,6 +113,21 @@ class Worker:
             log.info("%s worker %s (%s) is healthy", self.role, self.address, stats.worker_id)
         self.is_healthy, self.status = True, "SERVING"
 
+    async def watch(self, retry_s: float) -> None:
+        """Follow the Watch stream until cancelled (module docstring). SERVING is left to the
+        poll, which reads the stats a routing decision needs."""
+        while True:
+            try:
+                call = self._health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+                async for reply in call:
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        self.mark_unhealthy(
+                            health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                self.mark_unhealthy("health Watch stream ended")
+            except grpc.aio.AioRpcError as exc:
+                self.mark_unhealthy(f"{exc.code().name}: {exc.details()}")
+            await asyncio.sleep(retry_s)
+
     async def close(self) -> None:
         if self.channel is not None:
             await self.channel.close()
@@ -123,13 +141,17 @@ class WorkerPool:
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
         self._poller: asyncio.Task | None = None
+        self._watchers: list[asyncio.Task] = []
 
     async def start(self) -> None:
         for workers in self.workers.values():
             for worker in workers:
                 worker.connect()
         await self.refresh()
-        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll_loop())
+        self._watchers = [loop.create_task(w.watch(self.poll_interval_s))
+                          for ws in self.workers.values() for w in ws]
 
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh(self.timeout_s) for ws in self.workers.values() for w in ws))
@@ -140,6 +162,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        for watcher in self._watchers:
+            watcher.cancel()
         for workers in self.workers.values():
             for worker in workers:
                 await worker.close()
