@@ -40,6 +40,15 @@ DEFAULT_GRACE_S = 10.0
 # KV chunks are <= 4 MiB of payload plus a header; leave room.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
+# Channels to a peer that may restart on the same address (a worker after a crash or a rolling
+# restart): gRPC's default reconnect backoff grows to 120 s, and calls fail fast meanwhile, so a
+# worker back on its port would stay unreachable for minutes. Cap it at one second.
+PEER_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 AddServicer = tuple[Callable[[Any, grpc.aio.Server], None], Any]
 
 

@@ -13,7 +13,7 @@ import grpc
 
 from engine.kv_transfer.base import KVTransferError, RemoteInfo
 from services.common.channels import internal_channel
-from services.common.grpc_server import MAX_MESSAGE_BYTES
+from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
 from services.common.pb import kv_pb2_grpc, worker_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.prefill.pusher import KVPusher
@@ -25,7 +25,7 @@ class DecodePeer:
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = internal_channel(address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PEER_CHANNEL_OPTIONS])
         self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
         self._kv = kv_pb2_grpc.KVTransferServiceStub(self.channel)
         self._remotes: dict[int, RemoteInfo] = {}

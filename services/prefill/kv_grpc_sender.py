@@ -27,7 +27,7 @@ from engine.kv_transfer.base import (
 from engine.kv_transfer.packing import iter_chunks, pack_blocks
 from services.common.channels import internal_sync_channel
 from services.common.faults import faults
-from services.common.grpc_server import MAX_MESSAGE_BYTES
+from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
 from services.common.pb import kv_pb2, kv_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.worker.kv_grpc import (
@@ -121,7 +121,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         with self._channels_lock:
             if address not in self._channels:
                 self._channels[address] = internal_sync_channel(address, options=[
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *PEER_CHANNEL_OPTIONS])
             return self._channels[address]
 
     def _push(self, address: str, header: kv_pb2.PushBlocksHeader,

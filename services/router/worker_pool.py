@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.channels import internal_channel
-from services.common.grpc_server import MAX_MESSAGE_BYTES
+from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.router.policy import WorkerLoad
 
@@ -66,7 +66,7 @@ class Worker:
     def connect(self) -> None:
         """Open the channel; must run on the event loop that will use it (grpc.aio binds it)."""
         self.channel = internal_channel(self.address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PEER_CHANNEL_OPTIONS])
         self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
         self._stats_stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
