@@ -123,7 +123,10 @@ class Worker:
                     if reply.status != health_pb2.HealthCheckResponse.SERVING:
                         self.mark_unhealthy(
                             health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-                self.mark_unhealthy("health Watch stream ended")
+                        call.cancel()  # a draining server: let it stop without our stream
+                        break
+                else:
+                    self.mark_unhealthy("health Watch stream ended")
             except grpc.aio.AioRpcError as exc:
                 self.mark_unhealthy(f"{exc.code().name}: {exc.details()}")
             await asyncio.sleep(retry_s)
