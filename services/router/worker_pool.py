@@ -1,7 +1,9 @@
 """The workers a disaggregated router talks to: channels, health, and load estimates.
 
 Every ``poll_interval_s`` each worker gets a grpc.health.v1 Check and a GetStats (each with a
-deadline). A worker is healthy while both succeed and it reports SERVING; a request that
+deadline). A worker is healthy while both succeed and it reports SERVING (a poll that only
+timed out counts after ``MAX_SLOW_POLLS`` in a row: a worker slow on a busy machine is not dead,
+and the Watch stream below reports a dead or draining one at once); a request that
 finds it unreachable marks it unhealthy at once, and it is skipped until a later poll passes.
 Each worker's grpc.health.v1 Watch stream is followed too: a drain (NOT_SERVING) or a dead
 worker (the stream breaks) takes it out of routing at once, not at the next poll; a broken
@@ -27,6 +29,7 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.router.policy import WorkerLoad
 
 log = logging.getLogger(__name__)
+MAX_SLOW_POLLS = 3
 
 
 class InFlight:
@@ -62,6 +65,7 @@ class Worker:
         self.stats = worker_pb2.WorkerStats()
         self.local = [0, 0, 0]  # requests, prompt tokens not prefilled, blocks: this router's
         self._local_at_poll = [0, 0, 0]
+        self._num_slow_polls = 0  # health polls in a row that timed out
 
     def connect(self) -> None:
         """Open the channel; must run on the event loop that will use it (grpc.aio binds it)."""
@@ -106,8 +110,13 @@ class Worker:
             local = list(self.local)
             stats = await self._stats_stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._num_slow_polls += 1
+                if self._num_slow_polls < MAX_SLOW_POLLS:
+                    return
             self.mark_unhealthy(f"{exc.code().name}: {exc.details()}")
             return
+        self._num_slow_polls = 0
         self.stats, self._local_at_poll = stats, local
         if not self.is_healthy:
             log.info("%s worker %s (%s) is healthy", self.role, self.address, stats.worker_id)
