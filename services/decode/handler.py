@@ -38,6 +38,7 @@ from services.common.faults import faults
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
+    FAILED_PEER_KEY,
     KV_SERVICE_NAME,
     decode_response,
     params_from_proto,
@@ -227,10 +228,12 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     async def _wait_landed(self, reservation: Reservation, context: grpc.aio.ServicerContext) -> None:
         """Until every reserved block has landed; aborts the RPC on release or when the lease
-        (renewed by the prefill worker while it works) runs out."""
+        (renewed by the prefill worker while it works) runs out; both name the prefill side as
+        the failed peer (trailing metadata), so the router migrates the request."""
         while True:
             reservation.changed.clear()
             if reservation.state is LeaseState.RELEASED:
+                context.set_trailing_metadata(((FAILED_PEER_KEY, "prefill"),))
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"Decode: reservation {reservation.reservation_id!r} was "
                                     "released (the prefill side failed or was cancelled)")
@@ -238,6 +241,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 return
             remaining = reservation.expires_at - time.monotonic()
             if remaining <= 0:
+                context.set_trailing_metadata(((FAILED_PEER_KEY, "prefill"),))
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"Decode: KV of {reservation.reservation_id!r} did not land before its lease "

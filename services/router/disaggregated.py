@@ -432,6 +432,8 @@ def _error(role: str, worker: Worker, exc: grpc.aio.AioRpcError,
         return Overloaded(details)
     if code is grpc.StatusCode.UNAVAILABLE and _failed_peer(exc) != "decode":
         worker.mark_unhealthy(details)
+    if after_start and worker.role == "decode" and _failed_peer(exc) == "prefill":
+        return WorkerLost(worker, f"{code.name}: {details}", is_peer_at_fault=True)
     if after_start and code in LOST_CODES:
         return WorkerLost(worker, f"{code.name}: {details}")
     return BackendError(f"{role} worker {worker.address} failed: {code.name}: {details}")

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MIGRATIONS = 3
 # A worker gone (UNAVAILABLE: connection refused / reset), or a stream the server cancelled
 # (a drain past --drain-grace-s) or broke: the request itself is fine, another worker can go on.
+# A decode worker whose prefill peer failed it (its KV never landed) says so in trailing metadata
+# (FAILED_PEER_KEY = "prefill"), whatever the code.
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
 _TRY_NEXT = (grpc.StatusCode.RESOURCE_EXHAUSTED, *LOST_CODES)
@@ -51,9 +53,10 @@ _TRY_NEXT = (grpc.StatusCode.RESOURCE_EXHAUSTED, *LOST_CODES)
 class WorkerLost(BackendError):
     """A worker stopped serving a request mid-stream; the request may go on elsewhere."""
 
-    def __init__(self, worker: Worker, detail: str) -> None:
+    def __init__(self, worker: Worker, detail: str, is_peer_at_fault: bool = False) -> None:
         super().__init__(f"{worker.role} worker {worker.address} lost the request: {detail}")
         self.worker = worker
+        self.is_peer_at_fault = is_peer_at_fault  # the worker is fine; its peer failed it
 
 
 async def migrating(backend: DisaggregatedBackend, request_id: str, prompt: list[int],
@@ -79,7 +82,8 @@ async def migrating(backend: DisaggregatedBackend, request_id: str, prompt: list
         log.warning("migrating %s after %d tokens as %s: %s", request_id, len(streamed),
                     migration_id, lost)
         backend.num_migrations += 1
-        source = (resume(backend, migration_id, prompt, params, index, streamed, lost.worker)
+        avoid = None if lost.is_peer_at_fault else lost.worker
+        source = (resume(backend, migration_id, prompt, params, index, streamed, avoid)
                   if streamed else backend._remote(migration_id, prompt, params, index, None))
     raise BackendError(f"request {request_id!r} failed after {backend.max_migrations} "
                        f"migrations: {lost}") from lost
@@ -87,14 +91,14 @@ async def migrating(backend: DisaggregatedBackend, request_id: str, prompt: list
 
 async def resume(backend: DisaggregatedBackend, request_id: str, prompt: list[int],
                  params: SamplingParams, index: int, streamed: list[int],
-                 lost: Worker) -> AsyncIterator[TokenEvent]:
+                 lost: Worker | None) -> AsyncIterator[TokenEvent]:
     """Continue a sample after ``streamed`` on a healthy decode worker (not ``lost``): each one
     that is full or unreachable before its first event is skipped. Raises Overloaded when
     none is left, WorkerLost when the new one fails mid-stream too."""
     request = worker_pb2.GenerateLocalRequest(
         request_id=request_id, prompt_token_ids=prompt, resumed_output_token_ids=streamed,
         sampling_params=params_to_proto(dataclasses.replace(params, prompt_logprobs=None)))
-    excluded = {lost.address} if lost.role == "decode" else set()
+    excluded = {lost.address} if lost is not None and lost.role == "decode" else set()
     last_error: grpc.aio.AioRpcError | None = None
     for _ in range(len(backend.pool.workers["decode"])):
         decode = backend._pick("decode", prompt + streamed, excluded, last_error)
