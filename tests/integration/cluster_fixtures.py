@@ -83,6 +83,17 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+def restart(process: WorkerProcess, env: dict[str, str] | None = None) -> WorkerProcess:
+    """The same command on the same port, once ``process`` has exited (its log appended; the
+    environment is this test's plus ``env``, so faults it was started with are gone)."""
+    assert process.proc.poll() is not None, f"{process.address} is still running"
+    full_env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO), **(env or {})}
+    with open(process.log_path, "ab") as log:
+        proc = subprocess.Popen(process.args, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT)
+    return WorkerProcess(process.role, process.address, process.log_path, proc, process.args)
+
+
 def stop_all(processes: list[WorkerProcess]) -> None:
     """SIGTERM every process at once, then wait for each (SIGKILL after 15 s)."""
     for process in processes:
@@ -92,10 +103,12 @@ def stop_all(processes: list[WorkerProcess]) -> None:
         process.stop()
 
 
-def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl") -> WorkerProcess:
+def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl",
+                 env: dict[str, str] | None = None) -> WorkerProcess:
+    """``env``: extra environment variables (e.g. PDSERVE_FAULTS) for this process only."""
     port = free_port()
     log_path = log_dir / f"{role}-{port}.log"
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO), **(env or {})}
     argv = [sys.executable, "-m", "services.cli", "serve", role, "--port", str(port),
             "--worker-id", f"{role}-{port}", "--transfer", transfer, "--num-threads", "1",
             "--drain-grace-s", "2", *args]
