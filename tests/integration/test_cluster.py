@@ -472,30 +472,35 @@ def test_bad_input_is_a_value_error(cluster):
     assert_no_leaks(cluster)
 
 
-def test_killing_a_decode_worker_fails_its_request_and_others_go_on(cluster, llm, prompt_ids):
-    """Runs last: it leaves the cluster with one decode worker."""
+def test_killing_a_decode_worker_mid_stream_migrates_its_request(cluster, llm, prompt_ids):
+    """Runs last: it leaves the cluster with one decode worker. The killed worker's stream goes
+    on, unbroken, on the other decode worker (services/router/migration.py): the client gets
+    exactly the offline greedy tokens, and later requests succeed."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = offline(llm, prompt_ids[:2], GREEDY)
+    (whole,) = offline(llm, [prompt_ids[2]], params)
 
     async def scenario():
         async with grpc.aio.insecure_channel(router(cluster, "nixl").address) as channel:
             call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
                 generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=prompt_ids[2]),
                                              sampling_params=params_to_proto(params)), timeout=60)
+            streamed = []
             for _ in range(3):
-                await call.read()
+                streamed += (await call.read()).token_ids
             busy = [w for w in decodes(cluster) if w.stats().num_running_requests > 0]
             assert len(busy) == 1
             busy[0].stop(signal.SIGKILL)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
+            finish = None
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                streamed += chunk.token_ids
+                finish = finish_from_proto(chunk.finish_reason)
             after = [await generate(channel, ids, GREEDY) for ids in prompt_ids[:2]]
-            return err.value, after, busy[0]
+            return (streamed, finish), after, busy[0]
 
-    error, after, killed = asyncio.run(scenario())
-    assert error.code() is grpc.StatusCode.INTERNAL
-    assert f"decode worker {killed.address} failed: UNAVAILABLE" in error.details()
+    migrated, after, killed = asyncio.run(scenario())
+    assert [migrated] == whole
     assert [[r[0]] for r in after] == expected
     assert killed.proc.returncode == -signal.SIGKILL
+    assert "migrating" in router(cluster, "nixl").log_path.read_text()
     assert_no_leaks(cluster)
