@@ -1,7 +1,8 @@
 """KV-aware versus load-only routing on a multi-tenant workload, in one run.
 
     pdserve bench routing [--requests 64] [--rate 0.4] [--num-kv-blocks 320]
-                          [--prefill-kv-blocks N] [--decode-kv-blocks N] [--json PATH]
+                          [--prefill-kv-blocks N] [--decode-kv-blocks N] [--cpu-offload-gb GIB]
+                          [--json PATH]
 
 Starts an embedded redis-server and 2 prefill + 2 decode workers (``--transfer grpc``, one
 thread each, all publishing to the prefix index), then drives the same workload twice through
@@ -88,9 +89,11 @@ def workload(num_requests: int, rate: float, seed: int = 7) -> list[tuple[float,
     return out
 
 
-def start_workers(redis_url: str, log_dir: Path,
-                  blocks: dict[str, int]) -> list[tuple[subprocess.Popen, str]]:
-    """2 prefill then 2 decode workers; ``blocks``: KV blocks per worker of each role."""
+def start_workers(redis_url: str, log_dir: Path, blocks: dict[str, int],
+                  cpu_offload_gb: float | None = None) -> list[tuple[subprocess.Popen, str]]:
+    """2 prefill then 2 decode workers; ``blocks``: KV blocks per worker of each role;
+    ``cpu_offload_gb``: each one's host tier (None: the workers' default, sized from free memory)."""
+    host_tier = [] if cpu_offload_gb is None else ["--cpu-offload-gb", str(cpu_offload_gb)]
     procs = []
     for role in ("prefill", "prefill", "decode", "decode"):
         num_blocks = blocks[role]
@@ -98,7 +101,7 @@ def start_workers(redis_url: str, log_dir: Path,
         argv = [sys.executable, "-m", "services.cli", "serve", role, "--port", str(port),
                 "--worker-id", f"{role}-{port}", "--transfer", "grpc", "--num-threads", "1",
                 "--num-kv-blocks", str(num_blocks), "--redis-url", redis_url,
-                "--index-heartbeat-s", "1", "--drain-grace-s", "2"]
+                "--index-heartbeat-s", "1", "--drain-grace-s", "2", *host_tier]
         with open(log_dir / f"{role}-{port}.log", "wb") as log:
             proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -184,7 +187,8 @@ async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
     results: dict[str, PhaseResult] = {}
     with EmbeddedRedis.start() as redis_server, tempfile.TemporaryDirectory() as log_dir:
         procs = start_workers(redis_server.url, Path(log_dir),
-                              {"prefill": args.prefill_kv_blocks, "decode": args.decode_kv_blocks})
+                              {"prefill": args.prefill_kv_blocks, "decode": args.decode_kv_blocks},
+                              args.cpu_offload_gb)
         try:
             await wait_serving(procs)
             prefill = [a for _, a in procs[:2]]
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="KV blocks per prefill worker (0: --num-kv-blocks)")
     parser.add_argument("--decode-kv-blocks", type=int, default=0,
                         help="KV blocks per decode worker (0: --num-kv-blocks)")
+    parser.add_argument("--cpu-offload-gb", type=float, default=None,
+                        help="each worker's host tier in GiB (0: off, so the device pool is the only "
+                             "cache; default: the workers' own default)")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     args.prefill_kv_blocks = args.prefill_kv_blocks or args.num_kv_blocks
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     results = asyncio.run(bench(args))
     print(f"{NUM_TENANTS} tenants x {SYSTEM_TOKENS}-token system prompt, {args.requests} requests "
           f"per phase at {args.rate:g}/s (Poisson), 2 prefill + 2 decode, "
-          f"{args.prefill_kv_blocks}/{args.decode_kv_blocks} KV blocks per prefill/decode worker; "
+          f"{args.prefill_kv_blocks}/{args.decode_kv_blocks} KV blocks per prefill/decode worker, "
+          f"host tier {'default' if args.cpu_offload_gb is None else f'{args.cpu_offload_gb:g} GiB'}; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'routing':10s} {'hit rate':>8s} {'TTFT p50 ms':>11s} {'TTFT p99 ms':>11s} "
           f"{'fail':>4s} {'decide p50/p99 ms':>17s} {'solo p50/p99 ms':>15s}  routes")
