@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-fast: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -41,7 +41,12 @@ def main() -> int:
     index = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
              "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "default": "*bf16"}
     attention = dict(BLOCK_SIZE=16, HEAD_DIM_PAD=128, G_PAD=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64,
-                     DOT_FP32=False)
+                     DOT_FP32=False, QUANT=0)
+    # An 8-bit cache: codes through a uint8 view, row scales through a float32 view of it.
+    quant_cache = {**index, "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "k_scale_ptr": "*fp32",
+                   "v_scale_ptr": "*fp32"}
+    quant_store = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scale_ptr": "*fp32",
+                   "value_scale_ptr": "*fp32", "slot_ptr": "*i64", "default": "*bf16"}
     jobs = [
         ("paged attention", paged_attention._paged_attention_kernel, index, {**attention, "NUM_SPLITS": 1}),
         ("paged attention split-KV", paged_attention._paged_attention_kernel, index,
@@ -49,6 +54,10 @@ def main() -> int:
         ("paged attention fp32 prefill", paged_attention._paged_attention_kernel,
          {**index, "default": "*fp32"},
          {**attention, "G_PAD": 1, "BLOCK_Q": 64, "BLOCK_M": 64, "NUM_SPLITS": 1, "DOT_FP32": True}),
+        ("paged attention int8 cache", paged_attention._paged_attention_kernel, quant_cache,
+         {**attention, "NUM_SPLITS": 1, "QUANT": 1}),
+        ("paged attention fp8 cache split-KV", paged_attention._paged_attention_kernel, quant_cache,
+         {**attention, "NUM_SPLITS": 4, "QUANT": 2}),
         ("split-KV reduce", paged_attention._reduce_splits_kernel, index,
          dict(HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4)),
         ("rms_norm", rms_norm._rms_norm_kernel, {"default": "*bf16"}, dict(HAS_RESIDUAL=True, BLOCK_H=1024)),
@@ -57,6 +66,10 @@ def main() -> int:
          dict(BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32)),
         ("store_kv", store_kv._store_kv_kernel, {"slot_ptr": "*i64", "default": "*bf16"},
          dict(BLOCK_H=4, BLOCK_D=64)),
+        ("store_kv int8", store_kv._store_kv_quant_kernel, quant_store,
+         dict(BLOCK_H=4, BLOCK_D=64, QMAX=127.0, IS_FP8=False)),
+        ("store_kv fp8", store_kv._store_kv_quant_kernel, quant_store,
+         dict(BLOCK_H=4, BLOCK_D=64, QMAX=448.0, IS_FP8=True)),
         ("gather_blocks", block_copy._copy_blocks_kernel, {"src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",
          "default": "*bf16"}, dict(SRC_INDEXED=True, DST_INDEXED=False, BLOCK=4096)),
         ("copy_blocks", block_copy._copy_blocks_kernel, {"src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",

@@ -182,3 +182,38 @@ def wait_all_blocks_free(workers: list[WorkerProcess], timeout_s: float = 2.0) -
         if all(free == total for free, total in seen.values()) or time.monotonic() > deadline:
             return seen
         time.sleep(0.05)
+
+
+def prefill_into_receiver(prefill_address: str, request_id: str, prompt: list[int], model_name: str,
+                          kv_cache: Any) -> grpc.aio.AioRpcError:
+    """Ask the prefill worker at ``prefill_address`` to push ``prompt``'s KV (greedy, gRPC transport)
+    to a KVTransferService of this process whose receiver has ``model_name`` and ``kv_cache``; the
+    error the Prefill stream ends with (AssertionError if it ends without one)."""
+    from engine.sampling_params import SamplingParams
+    from services.common.grpc_server import start_grpc_server
+    from services.common.pb import kv_pb2_grpc
+    from services.common.wire import params_to_proto
+    from services.decode.kv_grpc_receiver import KVTransferServicer
+    from services.decode.receivers import make_receivers
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        (receiver,) = make_receivers("grpc", model_name, kv_cache)
+        server = await start_grpc_server(
+            [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))])
+        try:
+            async with grpc.aio.insecure_channel(prefill_address) as channel:
+                call = worker_pb2_grpc.PrefillServiceStub(channel).Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=request_id, prompt_token_ids=prompt,
+                        sampling_params=params_to_proto(SamplingParams(temperature=0.0, max_tokens=8)),
+                        decode=worker_pb2.DecodeTarget(address=server.address),
+                        transfer_method=worker_pb2.KV_TRANSFER_METHOD_GRPC), timeout=30)
+                try:
+                    await call.read()
+                except grpc.aio.AioRpcError as error:
+                    return error
+                raise AssertionError("the Prefill stream ended without an error")
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(scenario())

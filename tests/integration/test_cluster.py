@@ -23,11 +23,12 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from services.common.pb import generate_pb2, generate_pb2_grpc, kv_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import finish_from_proto, params_to_proto
 from services.router.disaggregated import DisaggregatedBackend
 from tests.integration.cluster_fixtures import (
     oracle_llm,
+    prefill_into_receiver,
     start_router,
     start_worker,
     stop_all,
@@ -316,31 +317,9 @@ def test_incompatible_decode_peer_is_a_clear_error(cluster, prompt_ids):
     naming the fields, before any block is reserved or computed."""
     import torch
 
-    from services.common.grpc_server import start_grpc_server
-    from services.decode.kv_grpc_receiver import KVTransferServicer
-    from services.decode.receivers import make_receivers
-
     prefill = prefills(cluster)[0]
-
-    async def scenario():
-        (receiver,) = make_receivers("grpc", "another-model", torch.zeros(4, 30, 2, 32, 3, 64))
-        server = await start_grpc_server(
-            [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))])
-        try:
-            async with grpc.aio.insecure_channel(prefill.address) as channel:
-                call = worker_pb2_grpc.PrefillServiceStub(channel).Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id="mismatch", prompt_token_ids=prompt_ids[0],
-                        sampling_params=params_to_proto(GREEDY),
-                        decode=worker_pb2.DecodeTarget(address=server.address),
-                        transfer_method=worker_pb2.KV_TRANSFER_METHOD_GRPC), timeout=30)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.read()
-                return err.value
-        finally:
-            await server.stop(0)
-
-    error = asyncio.run(scenario())
+    error = prefill_into_receiver(prefill.address, "mismatch", prompt_ids[0], "another-model",
+                                  torch.zeros(4, 30, 2, 32, 3, 64))
     assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "model_name: receiver='another-model' sender='SmolLM2" in error.details()
     assert "block_size: receiver=32 sender=16" in error.details()

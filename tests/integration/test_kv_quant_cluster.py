@@ -21,10 +21,9 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.wire import params_to_proto
 from tests.integration.cluster_fixtures import (
     one_thread,
+    prefill_into_receiver,
     start_router,
     start_worker,
     stop_all,
@@ -107,35 +106,11 @@ def _agrees(disaggregated: list[int], colocated) -> tuple[bool, str]:
 def test_an_fp32_decode_peer_is_refused_naming_both_dtypes(cluster, colocated_int8, loaded_model):
     import torch
 
-    from services.common.grpc_server import start_grpc_server
-    from services.decode.kv_grpc_receiver import KVTransferServicer
-    from services.decode.receivers import make_receivers
-
     workers, _ = cluster
-    prefill = workers[0]
     prompt_ids, _ = colocated_int8
     config = loaded_model.config
-
-    async def scenario():
-        fp32_cache = torch.zeros(4, config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
-        (receiver,) = make_receivers("grpc", config.name, fp32_cache)
-        server = await start_grpc_server(
-            [(kv_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(receiver))])
-        try:
-            async with grpc.aio.insecure_channel(prefill.address) as channel:
-                call = worker_pb2_grpc.PrefillServiceStub(channel).Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id="int8-to-fp32", prompt_token_ids=prompt_ids[0],
-                        sampling_params=params_to_proto(GREEDY),
-                        decode=worker_pb2.DecodeTarget(address=server.address),
-                        transfer_method=worker_pb2.KV_TRANSFER_METHOD_GRPC), timeout=30)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.read()
-                return err.value
-        finally:
-            await server.stop(0)
-
-    error = asyncio.run(scenario())
+    fp32_cache = torch.zeros(4, config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
+    error = prefill_into_receiver(workers[0].address, "int8-to-fp32", prompt_ids[0], config.name, fp32_cache)
     assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "dtype: receiver='float32' sender='int8'" in error.details()
     assert "model_name" not in error.details() and "head_dim" not in error.details()
