@@ -31,11 +31,21 @@ def hf_model(default_model_path):
     return model
 
 
-@pytest.fixture
-def redis_server():
-    """A real, empty ``redis-server`` on a free loopback port for one test (``.url``; ``.kill()``
-    then ``.restart()`` simulates a crash: it comes back empty on the same port)."""
+def _embedded_redis():
     from services.index.redis_server import EmbeddedRedis
 
     with EmbeddedRedis.start() as server:
         yield server
+
+
+@pytest.fixture
+def redis_server():
+    """A real, empty ``redis-server`` on a free loopback port for one test (``.url``; ``.kill()``
+    then ``.restart()`` simulates a crash: it comes back empty on the same port)."""
+    yield from _embedded_redis()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server():
+    """The same, shared by one module's tests (for a module-scoped cluster that publishes to it)."""
+    yield from _embedded_redis()

@@ -29,7 +29,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from services.index.redis_server import EmbeddedRedis
 from services.router.metrics import STAGES
 from services.router.ttft_breakdown import TTFT_HEADER, parse_breakdown
 from tests.integration import prometheus_server
@@ -56,15 +55,9 @@ def _port(process, flag: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    with EmbeddedRedis.start() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, redis_server):
+def cluster(tmp_path_factory, module_redis_server):
     log_dir = tmp_path_factory.mktemp("metrics-logs")
-    common = ["--num-kv-blocks", "64", "--log-level", "WARNING", "--redis-url", redis_server.url,
+    common = ["--num-kv-blocks", "64", "--log-level", "WARNING", "--redis-url", module_redis_server.url,
               "--index-heartbeat-s", "0.5"]
     prefill = start_worker("prefill", log_dir, *common, "--metrics-port", str(free_port()), transfer="grpc")
     decode = start_worker("decode", log_dir, *common, "--metrics-port", str(free_port()),
@@ -73,7 +66,7 @@ def cluster(tmp_path_factory, redis_server):
                             transfer="grpc")
     # prefix-aware routing through the index, never the local path: every request is prefilled
     router = start_router(log_dir, [prefill], [decode], "grpc", "--debug-route", "--redis-url",
-                          redis_server.url, "--local-prefill-max-tokens", "0")
+                          module_redis_server.url, "--local-prefill-max-tokens", "0")
     processes = [prefill, decode, kvstore, router]
     try:
         wait_serving(processes, timeout_s=400.0)  # the shared 2-core box can be slow to load

@@ -21,7 +21,6 @@ import pytest
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import params_to_proto
-from services.index.redis_server import EmbeddedRedis
 from services.router.frontend import ROUTE_HEADER
 from tests.integration.cluster_fixtures import oracle_llm, start_router, start_worker, stop_all, wait_serving
 
@@ -39,20 +38,14 @@ PREFIX = tokens(1, 192)  # 12 blocks
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    with EmbeddedRedis.start() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def cluster(redis_server, tmp_path_factory):
+def cluster(module_redis_server, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("routing-logs")
-    common = ["--num-kv-blocks", str(NUM_BLOCKS), "--redis-url", redis_server.url,
+    common = ["--num-kv-blocks", str(NUM_BLOCKS), "--redis-url", module_redis_server.url,
               "--index-heartbeat-s", "0.5"]
     workers = ([start_worker("prefill", log_dir, *common, transfer="grpc") for _ in range(2)]
                + [start_worker("decode", log_dir, *common, transfer="grpc") for _ in range(2)])
     router = start_router(log_dir, workers[:2], workers[2:], "grpc", "--redis-url",
-                          redis_server.url, "--debug-route")
+                          module_redis_server.url, "--debug-route")
     try:
         wait_serving(workers + [router])
         yield workers, router
@@ -122,7 +115,7 @@ def test_requests_sharing_a_prefix_go_to_the_worker_holding_it(cluster):
     assert gained[holder] >= 4 * 192 and gained[1 - holder] == 0, gained
 
 
-def test_redis_killed_mid_load_fails_nothing_and_hits_recover(cluster, redis_server):
+def test_redis_killed_mid_load_fails_nothing_and_hits_recover(cluster, module_redis_server):
     workers, router = cluster
     old = tokens(20, 192)
     run(router, old + tokens(21, 90))  # an older prefix, out of the router's 2 s memory later
@@ -139,14 +132,14 @@ def test_redis_killed_mid_load_fails_nothing_and_hits_recover(cluster, redis_ser
 
             for wave in range(6):  # 6 waves of 3 concurrent requests; Redis dies after wave 2
                 if wave == 2:
-                    redis_server.kill()
+                    module_redis_server.kill()
                 await asyncio.gather(*(one(wave * 3 + j) for j in range(3)))
         return routes, errors
 
     routes, errors = asyncio.run(load_run())
     assert errors == [], errors
     assert len(routes) == 18 and any(r.endswith("index_unavailable") for r in routes), routes
-    redis_server.restart()
+    module_redis_server.restart()
     restarted = time.monotonic()
     time.sleep(2.5)  # let the router's memory of `old` lapse; workers re-register meanwhile
     recovered = None

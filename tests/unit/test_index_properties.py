@@ -10,7 +10,6 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.index.redis_server import EmbeddedRedis
 from services.index.schema import IndexMeta, WorkerInfo
 from services.index.scripts import ApplyOp, IndexScripts
 
@@ -27,9 +26,8 @@ batch_strategy = st.tuples(st.lists(op_strategy, min_size=1, max_size=5),
 
 
 @pytest.fixture(scope="module")
-def scripts():
-    with EmbeddedRedis.start() as server:
-        yield IndexScripts(redis.Redis.from_url(server.url), META)
+def scripts(module_redis_server):
+    return IndexScripts(redis.Redis.from_url(module_redis_server.url), META)
 
 
 def apply_to_truth(truth: dict[str, int], ops: list[ApplyOp]) -> None:
