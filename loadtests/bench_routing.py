@@ -2,22 +2,25 @@
 
     pdserve bench routing [--requests 64] [--rate 0.4] [--num-kv-blocks 320]
                           [--prefill-kv-blocks N] [--decode-kv-blocks N] [--cpu-offload-gb GIB]
-                          [--json PATH]
+                          [--rounds 1] [--json PATH]
 
 Starts an embedded redis-server and 2 prefill + 2 decode workers (``--transfer grpc``, one
-thread each, all publishing to the prefix index), then drives the same workload twice through
-the router's backend, in this process: once with ``PrefixAwarePolicy`` (KV-aware, conditional
-disaggregation on) and once with the load policy. Each phase uses its own ``cache_salt``, so
-neither reuses the other's cached blocks (both start cold on the same workers).
+thread each, all publishing to the prefix index), warms every worker up with a few requests
+(first-request costs: allocation, lazy init), then drives the same workload through the router's
+backend, in this process: with ``PrefixAwarePolicy`` (KV-aware, conditional disaggregation on)
+and with the load policy, ``--rounds`` times each in ABBA order (kv, load, load, kv, ...) so
+neither mode always runs first. Each phase uses its own ``cache_salt``, so no phase reuses
+another's cached blocks (each starts cold on the same workers); a mode's rounds are pooled.
 
 Workload: 8 tenants, each with a ~1,000-token system prompt; each request is one tenant's
 system prompt plus a short user turn (20-60 tokens), greedy, 4 new tokens; Poisson arrivals at
 ``--rate`` per second, ``--requests`` per phase, the same seeded sequence in both phases.
 Reports per phase: prefix hit rate (cached prompt tokens / prompt tokens, as the workers
 report them with the first token), TTFT p50/p99 (request sent -> first token event), failures,
-the route decisions, and for KV-aware the router's added latency per request (hashing, the
-index lookup and scoring: ``RouteDecisions``) p50/p99, under the workload and "solo" (200
-plans in a row before it, nothing else running in this process). Every wait is bounded.
+the route decisions, the slowest requests with their TTFT stages (where the time went), and
+for KV-aware the router's added latency per request (hashing, the index lookup and scoring:
+``RouteDecisions``) p50/p99, under the workload and "solo" (200 plans in a row before it,
+nothing else running in this process). Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -61,6 +64,20 @@ class PhaseResult:
     solo_p50_ms: float = 0.0
     solo_p99_ms: float = 0.0
     wall_s: float = 0.0
+    records: list[dict] = field(default_factory=list)  # per request: route, TTFT, cache, stages
+
+    def merge(self, other: PhaseResult) -> None:
+        """Pool another round of the same mode into this one (decision times: the worse)."""
+        self.ttft_s += other.ttft_s
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.failures += other.failures
+        for key, count in other.routes.items():
+            self.routes[key] = self.routes.get(key, 0) + count
+        self.decision_p50_ms = max(self.decision_p50_ms, other.decision_p50_ms)
+        self.decision_p99_ms = max(self.decision_p99_ms, other.decision_p99_ms)
+        self.wall_s += other.wall_s
+        self.records += other.records
 
     @property
     def hit_rate(self) -> float:
@@ -160,9 +177,15 @@ async def run_phase(backend: DisaggregatedBackend, requests: list[tuple[float, l
                 nonlocal first
                 async for event in backend.generate(f"{salt}-{i}", prompt, params):
                     if first:
-                        result.ttft_s.append(time.perf_counter() - sent)
+                        ttft = time.perf_counter() - sent
+                        result.ttft_s.append(ttft)
                         result.prompt_tokens += len(prompt)
                         result.cached_tokens += event.num_cached_tokens
+                        result.records.append({
+                            "request": i, "sent_s": sent - started, "ttft_ms": ttft * 1e3,
+                            "route": event.route, "prompt_tokens": len(prompt),
+                            "cached_tokens": event.num_cached_tokens,
+                            "stages_ms": {k: v * 1e3 for k, v in (event.ttft_stages or {}).items()}})
                         first = False
             await asyncio.wait_for(consume(), REQUEST_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - counted and reported
@@ -182,6 +205,22 @@ async def run_phase(backend: DisaggregatedBackend, requests: list[tuple[float, l
     return result
 
 
+async def warm_up(backend: DisaggregatedBackend, num: int = 8) -> None:
+    """A few short requests in a row through the load policy, so every worker has served one
+    (first-request costs do not land in the first phase's TTFT)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="bench-warmup")
+    for i in range(num):
+        prompt = [1000 + (7 * i + j) % 40000 for j in range(64 + 96 * (i % 3))]
+        async for _ in backend.generate(f"warmup-{i}", prompt, params):
+            pass
+
+
+def phase_order(rounds: int) -> list[str]:
+    """kv, load, load, kv, kv, load, ... (ABBA), ``2 * rounds`` phases."""
+    pairs = [("kv_aware", "load_only"), ("load_only", "kv_aware")]
+    return [mode for r in range(rounds) for mode in pairs[r % 2]]
+
+
 async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
     requests = workload(args.requests, args.rate)
     results: dict[str, PhaseResult] = {}
@@ -193,18 +232,29 @@ async def bench(args: argparse.Namespace) -> dict[str, PhaseResult]:
             await wait_serving(procs)
             prefill = [a for _, a in procs[:2]]
             decode = [a for _, a in procs[2:]]
-            for mode in ("kv_aware", "load_only"):
+            warm = DisaggregatedBackend(prefill, decode, "grpc", poll_interval_s=0.2)
+            await warm.start()
+            try:
+                await asyncio.wait_for(warm_up(warm), START_TIMEOUT_S)
+            finally:
+                await warm.close()
+            for round_index, mode in enumerate(phase_order(args.rounds)):
                 policy = PrefixAwarePolicy(redis_server.url) if mode == "kv_aware" else None
                 backend = DisaggregatedBackend(prefill, decode, "grpc", policy=policy,
                                                poll_interval_s=0.2)
                 await backend.start()
                 try:
                     solo = await solo_decisions(backend, requests) if policy is not None else []
-                    results[mode] = await run_phase(backend, requests, salt=f"bench-{mode}")
-                    results[mode].solo_p50_ms = pct(solo, 0.5) * 1e3
-                    results[mode].solo_p99_ms = pct(solo, 0.99) * 1e3
+                    result = await run_phase(backend, requests, salt=f"bench-{mode}-{round_index}")
+                    result.solo_p50_ms = pct(solo, 0.5) * 1e3
+                    result.solo_p99_ms = pct(solo, 0.99) * 1e3
                 finally:
                     await backend.close()
+                if mode in results:
+                    results[mode].merge(result)
+                    results[mode].solo_p99_ms = max(results[mode].solo_p99_ms, result.solo_p99_ms)
+                else:
+                    results[mode] = result
         finally:
             for proc, _ in procs:
                 if proc.poll() is None:
@@ -231,15 +281,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-offload-gb", type=float, default=None,
                         help="each worker's host tier in GiB (0: off, so the device pool is the only "
                              "cache; default: the workers' own default)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="phases per mode, in ABBA order (pooled per mode)")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     args.prefill_kv_blocks = args.prefill_kv_blocks or args.num_kv_blocks
     args.decode_kv_blocks = args.decode_kv_blocks or args.num_kv_blocks
-    if min(args.requests, args.rate, args.prefill_kv_blocks, args.decode_kv_blocks) <= 0:
-        parser.error("--requests, --rate and the KV block counts must be positive")
+    if min(args.requests, args.rate, args.prefill_kv_blocks, args.decode_kv_blocks, args.rounds) <= 0:
+        parser.error("--requests, --rate, --rounds and the KV block counts must be positive")
     results = asyncio.run(bench(args))
     print(f"{NUM_TENANTS} tenants x {SYSTEM_TOKENS}-token system prompt, {args.requests} requests "
-          f"per phase at {args.rate:g}/s (Poisson), 2 prefill + 2 decode, "
+          f"per phase x {args.rounds} round(s) at {args.rate:g}/s (Poisson), 2 prefill + 2 decode, "
           f"{args.prefill_kv_blocks}/{args.decode_kv_blocks} KV blocks per prefill/decode worker, "
           f"host tier {'default' if args.cpu_offload_gb is None else f'{args.cpu_offload_gb:g} GiB'}; "
           f"load average {os.getloadavg()[0]:.2f}")
@@ -256,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     for mode, r in results.items():
         for failure in r.failures[:5]:
             print(f"{mode} failure {failure}")
+        for rec in sorted(r.records, key=lambda rec: -rec["ttft_ms"])[:3]:
+            stages = ", ".join(f"{k} {v:.0f}" for k, v in rec["stages_ms"].items())
+            print(f"{mode} slow: request {rec['request']} at {rec['sent_s']:.1f} s, TTFT "
+                  f"{rec['ttft_ms']:.0f} ms, {rec['route']}, {rec['cached_tokens']}/"
+                  f"{rec['prompt_tokens']} cached; stages ms: {stages}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {m: {**r.__dict__, "hit_rate": r.hit_rate, "ttft_p50_s": pct(r.ttft_s, .5),

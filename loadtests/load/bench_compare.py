@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         for target in targets[repeat % len(targets):] + targets[:repeat % len(targets)]:
             stem = f"{target.name}-r{repeat}"
             if target.up_args is None:
-                runs = run_sweep(plan, target.base_url, {"name": target.name, "kind": "url"}, stem)
+                runs = run_sweep(plan, target.base_url, {"name": target.name, "kind": "url"}, stem, repeat)
             else:
                 with running_cluster(list(target.up_args)) as cluster:
                     description = {"name": target.name, "kind": "pdserve up",
                                    "up_args": list(target.up_args)}
-                    runs = run_sweep(plan, cluster.http_url, description, stem)
+                    runs = run_sweep(plan, cluster.http_url, description, stem, repeat)
             for arrival, records, summary in runs:
                 pooled[target.name, arrival] += records
                 not_sent[target.name, arrival] += summary["num_not_sent"]

@@ -63,11 +63,25 @@ class LoadPlan:
         self.bounds = LoadBounds(args.max_duration_s, args.request_timeout_s)
         tokenizer = load_tokenizer(args.tokenizer)
         self.count_tokens: Callable[[str], int] = lambda text: len(tokenizer.encode(text))
-        self.requests: list[RequestSpec] = build_requests(self.scenario, tokenizer, args.seed, args.num_requests)
+        self._tokenizer, self._num_requests = tokenizer, args.num_requests
+        self._requests: dict[int, list[RequestSpec]] = {}
+        # The warm-up's prompts come from a seed no run uses, so nothing a run sends is cached by it.
+        self.warm_up_requests: list[RequestSpec] = build_requests(self.scenario, tokenizer, -1 - args.seed,
+                                                                  args.num_requests)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.out_dir = Path(args.out or f"bench-results/{self.scenario.name}-{stamp}")
         self.progress = not args.no_progress and sys.stderr.isatty()
         self.x_label = "concurrency (closed loop)" if args.arrival == "closed" else "request rate (req/s)"
+
+    def requests(self, repeat: int, run: int) -> list[RequestSpec]:
+        """The requests of run ``run`` (index into ``arrivals``) of repeat ``repeat``: drawn with
+        seed ``seed + repeat * len(arrivals) + run``, so every target gets the same requests for a
+        run, and no run resends an earlier run's prompts (a server's prefix cache would turn the
+        later points of a sweep into cache hits)."""
+        seed = self.seed + repeat * len(self.arrivals) + run
+        if seed not in self._requests:
+            self._requests[seed] = build_requests(self.scenario, self._tokenizer, seed, self._num_requests)
+        return self._requests[seed]
 
 
 async def _warm_up(base_url: str, model: str, requests: Sequence[RequestSpec], timeout_s: float = 300.0) -> None:
@@ -96,21 +110,23 @@ async def _served_model(base_url: str) -> str:
         return await fetch_model(session, base_url)
 
 
-def run_sweep(plan: LoadPlan, base_url: str, target: dict[str, Any], stem: str = "",
+def run_sweep(plan: LoadPlan, base_url: str, target: dict[str, Any], stem: str = "", repeat: int = 0,
               ) -> list[tuple[Arrival, list[RequestRecord], dict[str, Any]]]:
-    """Every arrival of ``plan`` against ``base_url``; writes one JSON per run; returns
-    ``(arrival, records, summary)`` per run. ``target`` describes the server for the JSON."""
+    """Every arrival of ``plan`` against ``base_url`` (repeat ``repeat``'s requests: see
+    ``LoadPlan.requests``); writes one JSON per run; returns ``(arrival, records, summary)`` per
+    run. ``target`` describes the server for the JSON."""
     model = target.get("model") or asyncio.run(_served_model(base_url))
     target = {**target, "base_url": base_url, "model": model}
-    asyncio.run(_warm_up(base_url, model, plan.requests))
+    asyncio.run(_warm_up(base_url, model, plan.warm_up_requests))
     runs = []
-    for arrival in plan.arrivals:
+    for run, arrival in enumerate(plan.arrivals):
         machine = machine_info()
-        result = asyncio.run(run_load(base_url, model, plan.requests, arrival, plan.bounds, plan.seed,
+        seed = plan.seed + repeat * len(plan.arrivals) + run
+        result = asyncio.run(run_load(base_url, model, plan.requests(repeat, run), arrival, plan.bounds, seed,
                                       plan.count_tokens, plan.progress))
         machine["load_average_after"] = list(machine_info()["load_average"])
         summary = summarize(result.records, plan.slo, result.num_not_sent)
-        document = run_document(plan.scenario, target, arrival, plan.seed, result, summary, machine)
+        document = run_document(plan.scenario, target, arrival, seed, result, summary, machine)
         name = f"{stem or target['name']}-{arrival.mode}-{arrival.x:g}"
         write_run(document, plan.out_dir, name)
         failures = ", ".join(f"{n} {k}" for k, n in summary["failures"].items()) or "none"
