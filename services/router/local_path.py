@@ -43,7 +43,8 @@ async def run_local(backend: DisaggregatedBackend, decode: Worker, request_id: s
     call = decode.decode.Generate(worker_pb2.GenerateLocalRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling_params=params_to_proto(params)),
         timeout=remaining_s(backend.decode_timeout_s))
-    in_flight = decode.begin(prefill_tokens=len(prompt),
+    # the decode worker computes only what it does not hold (the plan's index view)
+    in_flight = decode.begin(prefill_tokens=len(prompt) - plan.num_decode_cached_tokens,
                              blocks=cdiv(len(prompt), decode.stats.block_size or 16))
     finished = False
     is_first = True

@@ -10,7 +10,16 @@
   prompt it has not cached is at most ``local_prefill_max_tokens`` (reason ``short_uncached``),
   or it holds at least ``local_hold_fraction`` of the prompt and has headroom: free blocks for
   the rest plus ``local_headroom_fraction`` of its pool, and at most
-  ``local_max_queued_prefill_tokens`` of prefill already queued (reason ``decode_holds_prefix``).
+  ``local_max_queued_prefill_tokens`` of prefill already queued (reason ``decode_holds_prefix``);
+  and in both cases only if the local prefill is not slower than the remote one: the decode
+  worker's queued prefill tokens plus the uncached part must not exceed the best prefill
+  worker's cost (its queued prefill plus what it would compute, ``choose_worker``'s cost) by more
+  than ``local_prefill_max_tokens``. A decode worker's engine runs its queued prefills and its
+  decode batch on one step loop, so a local request waits for all of them; a remote one waits
+  only for the prefill worker's queue.
+  "Cached" here is what the index confirms the decode worker holds, never this router's
+  prediction (``RecentDecisions``): a predicted prefix may still be computing or in transfer
+  to it, and a local prefill would then compute it again on the decode worker's step loop.
 * ``remote`` otherwise: the prefill worker by ``prefix_policy.choose_worker`` (reason
   ``prefix`` / ``load`` / ``imbalance``), or by load alone when the index gave no answer
   (reason ``index_unavailable``). The decode worker's cached blocks are not sent (delta).
@@ -70,10 +79,28 @@ class RoutePlan:
         return f"{self.path}/{self.reason}"
 
 
-def _match_blocks(match: WorkerMatch | None) -> tuple[int, int, int]:
+def _match_blocks(match: WorkerMatch | Candidate | None) -> tuple[int, int, int]:
     if match is None:
         return 0, 0, 0
     return match.num_device_blocks, match.num_host_blocks, match.num_kvstore_blocks
+
+
+def _held_tokens(device: int, host: int, kvstore: int, block_size: int, num_prompt_tokens: int) -> int:
+    return min(block_size * (device + host + kvstore), num_prompt_tokens)
+
+
+def _local_reason(num_prompt_tokens: int, num_held_tokens: int, block_size: int, target: WorkerLoad,
+                  config: RouteConfig) -> str | None:
+    """Why ``target`` may prefill the request itself (module docstring), or None."""
+    uncached = num_prompt_tokens - num_held_tokens
+    if uncached <= config.local_prefill_max_tokens:
+        return "short_uncached"
+    headroom = target.num_free_blocks - cdiv(uncached, block_size)
+    if (num_held_tokens >= config.local_hold_fraction * num_prompt_tokens
+            and headroom >= config.local_headroom_fraction * target.num_total_blocks
+            and target.num_outstanding_prefill_tokens <= config.local_max_queued_prefill_tokens):
+        return "decode_holds_prefix"
+    return None
 
 
 def decode_candidate(load: WorkerLoad, match: WorkerMatch | None, extra_requests: int = 0) -> Candidate:
@@ -114,23 +141,23 @@ def plan_route(num_prompt_tokens: int, block_size: int, prefill: Sequence[Worker
     assert choice is not None
     index = next(i for i in fitting if decode_candidates[i].worker_id == choice.worker_id)
     target, held = decode[index], decode_candidates[index]
-    num_held_tokens = min(block_size * (held.num_device_blocks + held.num_host_blocks
-                                        + held.num_kvstore_blocks), num_prompt_tokens)
-    uncached = num_prompt_tokens - num_held_tokens
+    num_held_tokens = _held_tokens(*_match_blocks(held), block_size, num_prompt_tokens)
+    pick = None
+    if prefill:
+        if prefill_candidates is None:
+            prefill_candidates = [prefill_candidate(w, (matches or {}).get(w.worker_id)) for w in prefill]
+        pick = choose_worker(prefill_candidates, block_size, num_prompt_tokens, config.scoring)
     if config.local_prefill_max_tokens > 0:
-        if uncached <= config.local_prefill_max_tokens:
-            return RoutePlan("local", "short_uncached", target.address, None, num_held_tokens, 0.0)
-        headroom = target.num_free_blocks - cdiv(uncached, block_size)
-        if (num_held_tokens >= config.local_hold_fraction * num_prompt_tokens
-                and headroom >= config.local_headroom_fraction * target.num_total_blocks
-                and target.num_outstanding_prefill_tokens <= config.local_max_queued_prefill_tokens):
-            return RoutePlan("local", "decode_holds_prefix", target.address, None, num_held_tokens, 0.0)
-    if not prefill:
+        confirmed = (matches or {}).get(target.worker_id)
+        num_confirmed = _held_tokens(*_match_blocks(confirmed), block_size, num_prompt_tokens)
+        reason = _local_reason(num_prompt_tokens, num_confirmed, block_size, target, config)
+        local_cost = target.num_outstanding_prefill_tokens + num_prompt_tokens - num_confirmed
+        if reason is not None and (pick is None
+                                   or local_cost <= pick.cost + config.local_prefill_max_tokens):
+            return RoutePlan("local", reason, target.address, None, num_confirmed, 0.0)
+    if pick is None:
         return None
-    if prefill_candidates is None:
-        prefill_candidates = [prefill_candidate(w, (matches or {}).get(w.worker_id)) for w in prefill]
-    pick = choose_worker(prefill_candidates, block_size, num_prompt_tokens, config.scoring)
-    assert pick is not None
+    assert prefill_candidates is not None
     chosen = next(w for w, c in zip(prefill, prefill_candidates) if c.worker_id == pick.worker_id)
     reason = pick.reason if matches is not None else "index_unavailable"
     return RoutePlan("remote", reason, target.address, chosen.address, num_held_tokens,

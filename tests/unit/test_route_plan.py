@@ -78,6 +78,39 @@ def test_decode_holding_most_of_the_prompt_with_headroom_runs_locally():
     assert plan_route(1024, BS, PREFILL, busy, matches).path == "remote"
 
 
+def test_a_decode_worker_busy_with_prefills_sends_even_a_short_suffix_remote():
+    # d1 holds 62 of 64 blocks (32 tokens uncached) but has 3,000 prompt tokens queued; p0 holds
+    # the whole prompt and is idle: waiting behind d1's queue is slower than p0's cache hit.
+    busy = [load("d0", prefill_tokens=3000), load("d1", prefill_tokens=3000)]
+    matches = {"d1": match("d1", device=62, role="decode"), "p0": match("p0", device=64)}
+    plan = plan_route(1024, BS, PREFILL, busy, matches)
+    assert (plan.path, plan.decode_address, plan.prefill_address) == (
+        "remote", "127.0.0.1:d1", "127.0.0.1:p0")
+    # no prefill worker holds anything: 32 + 3,000 queued tokens locally against an idle cold
+    # 1,024-token prefill -> still remote; with 3,000 tokens queued on each prefill worker too,
+    # the local suffix wins
+    matches = {"d1": match("d1", device=62, role="decode")}
+    assert plan_route(1024, BS, PREFILL, busy, matches).path == "remote"
+    loaded = [load("p0", prefill_tokens=3000), load("p1", prefill_tokens=3000)]
+    plan = plan_route(1024, BS, loaded, busy, matches)
+    assert (plan.path, plan.reason, plan.decode_address) == ("local", "short_uncached", "127.0.0.1:d1")
+
+
+def test_a_predicted_prefix_steers_the_decode_pick_but_never_the_local_path():
+    # this router just sent the prompt's 62 blocks to d1 (RecentDecisions), the index has no
+    # record yet: the KV may still be computing or in transfer, so d1 must not recompute it
+    from services.router.prefix_policy import Candidate
+
+    predicted = [Candidate("d0"), Candidate("d1", num_device_blocks=62)]
+    plan = plan_route(1024, BS, PREFILL, DECODE, {}, decode_candidates=predicted)
+    assert (plan.path, plan.decode_address) == ("remote", "127.0.0.1:d1")
+    assert plan.num_decode_cached_tokens == 62 * BS  # the transfer skips what d1 will hold
+    # once the index confirms it, the suffix runs locally
+    plan = plan_route(1024, BS, PREFILL, DECODE, {"d1": match("d1", device=62, role="decode")},
+                      decode_candidates=predicted)
+    assert (plan.path, plan.reason, plan.decode_address) == ("local", "short_uncached", "127.0.0.1:d1")
+
+
 def test_index_down_routes_by_load_and_says_so():
     prefill = [load("p0", prefill_tokens=900), load("p1", prefill_tokens=100)]
     plan = plan_route(1024, BS, prefill, DECODE, None)
