@@ -47,6 +47,10 @@ KV_SERVICE_NAME = _service(kv_pb2.DESCRIPTOR, "KVTransferService")
 # Trailing metadata of a Prefill error that the decode worker caused (value: "decode"), so the
 # router picks another decode worker.
 FAILED_PEER_KEY = "pdserve-failed-peer"
+# Trailing metadata of a RESOURCE_EXHAUSTED that means "no free KV blocks right now" (value "1"),
+# as opposed to a full request queue: blocks free up as running requests finish, so the router
+# waits and retries instead of refusing (a prefill worker passes it on from ReserveBlocks).
+KV_FULL_KEY = "pdserve-kv-full"
 
 # --transfer names <-> KVTransferMethod
 NIXL = worker_pb2.KV_TRANSFER_METHOD_NIXL

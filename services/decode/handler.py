@@ -39,6 +39,7 @@ from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
     FAILED_PEER_KEY,
+    KV_FULL_KEY,
     KV_SERVICE_NAME,
     decode_response,
     params_from_proto,
@@ -124,6 +125,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             pending.done()
         if reserved is None:
             block_size = self.engine.config.cache.block_size
+            context.set_trailing_metadata(((KV_FULL_KEY, "1"),))
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "

@@ -44,6 +44,7 @@ from services.common.faults import faults
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     FAILED_PEER_KEY,
+    KV_FULL_KEY,
     METHOD_NAMES,
     PREFILL_SERVICE_NAME,
     finish_to_proto,
@@ -68,11 +69,13 @@ SETTLE_TIMEOUT_S = 10.0
 
 
 class PrefillAbort(Exception):
-    """End the RPC with ``code``; ``peer`` = 'decode' when the decode worker is the cause."""
+    """End the RPC with ``code``; ``peer`` = 'decode' when the decode worker is the cause;
+    ``kv_full``: the decode worker had no free KV blocks (wire.KV_FULL_KEY)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, peer: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, peer: str = "",
+                 kv_full: bool = False) -> None:
         super().__init__(message)
-        self.code, self.message, self.peer = code, message, peer
+        self.code, self.message, self.peer, self.kv_full = code, message, peer, kv_full
 
 
 class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
@@ -117,8 +120,11 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
                 async for response in responses:
                     await context.write(response)
         except PrefillAbort as exc:
-            if exc.peer:
-                context.set_trailing_metadata(((FAILED_PEER_KEY, exc.peer),))
+            metadata = ((FAILED_PEER_KEY, exc.peer),) if exc.peer else ()
+            if exc.kv_full:
+                metadata += ((KV_FULL_KEY, "1"),)
+            if metadata:
+                context.set_trailing_metadata(metadata)
             await context.abort(exc.code, exc.message)
         finally:
             if pending is not None:
@@ -269,8 +275,9 @@ class _PrefillJob:
         except KVTransferError as exc:
             raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
         except grpc.aio.AioRpcError as exc:
+            kv_full = any(key == KV_FULL_KEY for key, _ in exc.trailing_metadata() or ())
             raise PrefillAbort(exc.code(), f"decode worker {self.target.address}: {exc.details()}",
-                               "decode") from exc
+                               "decode", kv_full) from exc
         self.reservation = reservation = reply.reservation
         if reservation.lease_ms == 0:
             raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -51,6 +51,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--max-migrations", type=int, default=3,
                      help="times a request moves to another worker when its worker dies or "
                           "drains mid-stream (0: never; the request fails)")
+    add_env_argument(parser, "--kv-full-wait-s", type=float, default=60.0,
+                     help="when every decode worker lacks free KV blocks for a request, wait up to "
+                          "this long for running requests to free some (retrying with backoff) "
+                          "before answering 429 (0: refuse at once)")
     add_env_argument(parser, "--debug-route", action="store_true",
                      help="debug mode: tell each client how its request was routed and where its "
                           "TTFT went (HTTP headers / gRPC trailing metadata pdserve-route: "
@@ -75,6 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     install_from_args(args, parser)  # the router's channels to its workers
     if args.local_prefill_max_tokens < 0:
         parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
+    if args.kv_full_wait_s < 0:
+        parser.error(f"--kv-full-wait-s must be >= 0, got {args.kv_full_wait_s}")
     if args.max_migrations < 0:
         parser.error(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.colocated and (args.prefill or args.decode):
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
                             local_prefill_max_tokens=args.local_prefill_max_tokens,
-                            max_migrations=args.max_migrations)
+                            max_migrations=args.max_migrations, kv_full_wait_s=args.kv_full_wait_s)
     try:
         asyncio.run(run_router(config, backend))
     except (OSError, ValueError, IndexMetaMismatch) as error:  # a port in use, a bad model, ...

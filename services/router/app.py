@@ -158,11 +158,13 @@ def is_loopback(host: str) -> bool:
 
 def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
                   prefill: list[str], decode: list[str], transfer: str, redis_url: str = "",
-                  local_prefill_max_tokens: int = 64, max_migrations: int = 3) -> Backend:
+                  local_prefill_max_tokens: int = 64, max_migrations: int = 3,
+                  kv_full_wait_s: float = 60.0) -> Backend:
     """The in-process engine built from ``engine_args`` (colocated), or the workers; with a
     ``redis_url`` the workers are picked by the prefix index (KV-aware, conditional
     disaggregation), else by load. A sample whose worker dies moves to another up to
-    ``max_migrations`` times (services/router/migration.py)."""
+    ``max_migrations`` times (services/router/migration.py); one that finds every decode
+    worker out of KV blocks waits up to ``kv_full_wait_s`` for some to free up."""
     if colocated:
         return ColocatedBackend(model, engine_args)
     from services.router.disaggregated import DisaggregatedBackend  # written alongside, lazily
@@ -174,7 +176,7 @@ def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
 
         policy = PrefixAwarePolicy(redis_url, RouteConfig(local_prefill_max_tokens=local_prefill_max_tokens))
     return DisaggregatedBackend(prefill, decode, transfer=transfer, policy=policy,
-                                max_migrations=max_migrations)
+                                max_migrations=max_migrations, kv_full_wait_s=kv_full_wait_s)
 
 
 async def run_router(config: RouterConfig, backend: Backend) -> None:

@@ -14,7 +14,12 @@ One sample (a *pipeline*)::
 * n > 1 runs n independent pipelines (sample i seeded seed + i, as offline) and merges their
   events; the prompt is prefilled once per sample (the prefill prefix cache softens it).
 * A full (RESOURCE_EXHAUSTED) or unreachable decode worker before the first event: the next
-  one is tried; an unreachable prefill worker likewise. Nothing left: Overloaded.
+  one is tried; an unreachable prefill worker likewise. Nothing left: Overloaded, except when
+  the decode workers were full only for lack of free KV blocks (``KV_FULL_KEY``) and one of them
+  could hold the prompt when empty: then the sample waits for blocks to free up (running
+  requests finish), retrying with backoff (50 ms doubling to 1 s) for at most
+  ``kv_full_wait_s`` (and the request's deadline), as a colocated engine queues a request
+  until its blocks fit. 0 refuses at once.
 * Closing the iterator (stop string, client gone) cancels both calls: each worker frees what
   it holds. If the prefill call had already finished (all KV pushed) the router also sends
   ReleaseBlocks, for a Decode call that may never have reached the decode worker.
@@ -40,6 +45,7 @@ from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2
 from services.common.wire import (
     FAILED_PEER_KEY,
+    KV_FULL_KEY,
     TRANSFER_METHODS,
     compat_from_proto,
     finish_from_proto,
@@ -70,13 +76,15 @@ class DisaggregatedBackend(Backend):
                  transfer: str = "nixl", *, policy: RoutingPolicy | None = None,
                  poll_interval_s: float = 0.5, rpc_timeout_s: float = 1.0,
                  prefill_timeout_s: float = 300.0, decode_timeout_s: float = 3600.0,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, kv_full_wait_s: float = 60.0) -> None:
         if not prefill_addresses or not decode_addresses:
             raise ValueError("a disaggregated router needs at least one prefill and one decode "
                              f"worker; got prefill={list(prefill_addresses)} "
                              f"decode={list(decode_addresses)}")
         if max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
+        if kv_full_wait_s < 0:
+            raise ValueError(f"kv_full_wait_s must be >= 0, got {kv_full_wait_s}")
         if transfer not in TRANSFER_METHODS:
             raise ValueError(f"transfer must be one of {sorted(TRANSFER_METHODS)}, got {transfer!r}")
         self.pool = WorkerPool(prefill_addresses, decode_addresses, poll_interval_s, rpc_timeout_s)
@@ -88,6 +96,8 @@ class DisaggregatedBackend(Backend):
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
         self.max_migrations = max_migrations
+        self.kv_full_wait_s = kv_full_wait_s
+        self.num_kv_full_waits = 0  # retries after every decode worker lacked free KV blocks
         self.num_migrations = 0  # samples moved to another worker since start (migration.py)
         self._background: set[asyncio.Task] = set()
 
@@ -298,11 +308,21 @@ class DisaggregatedBackend(Backend):
         try the next one (the plan's workers first, then the load policy's picks)."""
         excluded = {"prefill": set(), "decode": set()}
         last_error: grpc.aio.AioRpcError | None = None
+        kv_wait = _KVFullWait(remaining_s(self.kv_full_wait_s)) if self.kv_full_wait_s > 0 else None
         while True:
             prefill = self._planned("prefill", plan, excluded["prefill"]) or self._pick(
                 "prefill", prompt, excluded["prefill"], last_error)
-            decode = self._planned("decode", plan, excluded["decode"]) or self._pick(
-                "decode", prompt, excluded["decode"], last_error)
+            try:
+                decode = self._planned("decode", plan, excluded["decode"]) or self._pick(
+                    "decode", prompt, excluded["decode"], last_error)
+            except Overloaded:
+                if (kv_wait is None or last_error is None or not _is_kv_full(last_error)
+                        or not self._fits_some_decode(len(prompt)) or not await kv_wait.sleep()):
+                    raise
+                self.num_kv_full_waits += 1
+                excluded["decode"].clear()
+                last_error = None
+                continue
             call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling_params=proto_params,
                 decode=worker_pb2.DecodeTarget(worker_id=decode.worker_id, address=decode.address),
@@ -330,6 +350,12 @@ class DisaggregatedBackend(Backend):
                 raise BackendError(f"prefill worker {prefill.address} ended {request_id!r} "
                                    "without any event")
             return prefill, decode, call, response
+
+    def _fits_some_decode(self, num_prompt_tokens: int) -> bool:
+        """Whether an empty pool of some healthy decode worker holds the prompt (else waiting
+        for free blocks cannot help)."""
+        return any(w.stats.num_total_blocks * (w.stats.block_size or 16) >= num_prompt_tokens + 1
+                   for w in self.pool.healthy("decode", set()))
 
     def _planned(self, role: str, plan: RoutePlan | None, excluded: set[str]) -> Worker | None:
         """The plan's worker of ``role`` while it is healthy and not excluded."""
@@ -413,6 +439,31 @@ def _with_lookup(event: TokenEvent, lookup_s: float | None) -> TokenEvent:
     if lookup_s is not None and event.ttft_stages is not None:
         event.ttft_stages["index_lookup"] = lookup_s
     return event
+
+
+def _is_kv_full(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and any(
+        key == KV_FULL_KEY for key, _ in exc.trailing_metadata() or ())
+
+
+class _KVFullWait:
+    """Backoff for a sample waiting for free decode KV blocks: ``sleep`` waits 50 ms, doubling to
+    1 s, and answers False (without sleeping) once ``budget_s`` from the first call is spent."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.deadline: float | None = None
+        self.delay_s = 0.05
+
+    async def sleep(self) -> bool:
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.budget_s
+        if now + self.delay_s > self.deadline:
+            return False
+        await asyncio.sleep(self.delay_s)
+        self.delay_s = min(self.delay_s * 2, 1.0)
+        return True
 
 
 def _failed_peer(exc: grpc.aio.AioRpcError) -> str:

@@ -93,10 +93,10 @@ def decodes(cluster):
     return [w for w in cluster if w.role == "decode" and w.proc.poll() is None]
 
 
-def backend_for(cluster, transfer: str) -> DisaggregatedBackend:
+def backend_for(cluster, transfer: str, **kwargs) -> DisaggregatedBackend:
     return DisaggregatedBackend([w.address for w in prefills(cluster)],
                                 [w.address for w in decodes(cluster)], transfer,
-                                poll_interval_s=0.2)
+                                poll_interval_s=0.2, **kwargs)
 
 
 async def generate(channel: grpc.aio.Channel, prompt: list[int], params: SamplingParams,
@@ -362,11 +362,8 @@ def test_unclaimed_or_abandoned_reservations_are_released_after_their_lease(clus
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
 
 
-def test_full_decode_workers_mean_overloaded_and_nothing_leaks(cluster, prompt_ids):
-    """Both decode workers answer RESOURCE_EXHAUSTED: the backend tries each, then raises
-    Overloaded; the prefill worker computed nothing and holds nothing."""
-    from services.router.backend import Overloaded
-
+def _fill_decode_workers(cluster) -> list[tuple[object, str]]:
+    """Reserve all but 6 KV blocks of every decode worker; (worker, reservation id) each."""
     fillers = []
     for i, decode in enumerate(decodes(cluster)):
         with grpc.insecure_channel(decode.address) as channel:
@@ -374,24 +371,72 @@ def test_full_decode_workers_mean_overloaded_and_nothing_leaks(cluster, prompt_i
                 worker_pb2.ReserveBlocksRequest(request_id=f"filler-{i}", prompt_token_ids=[1] * 1440,
                                                 sampling_params=params_to_proto(GREEDY)), timeout=5)
         fillers.append((decode, reply.reservation.reservation_id))
+    return fillers
+
+
+def _release(fillers: list[tuple[object, str]]) -> None:
+    for decode, reservation_id in fillers:
+        with grpc.insecure_channel(decode.address) as channel:
+            worker_pb2_grpc.DecodeServiceStub(channel).ReleaseBlocks(
+                worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=5)
+
+
+def test_full_decode_workers_mean_overloaded_and_nothing_leaks(cluster, prompt_ids):
+    """Both decode workers answer RESOURCE_EXHAUSTED for lack of KV blocks: with no wait the
+    backend tries each, then raises Overloaded at once; with a short wait it retries until the
+    wait is spent, then raises the same. The prefill worker computed nothing and holds nothing."""
+    from services.router.backend import Overloaded
+
+    fillers = _fill_decode_workers(cluster)
+
+    async def scenario():
+        for wait_s in (0.0, 0.6):
+            backend = backend_for(cluster, "nixl", kv_full_wait_s=wait_s)
+            await backend.start()
+            started = time.monotonic()
+            try:
+                with pytest.raises(Overloaded, match="every decode worker is full: .* has 6 free KV "
+                                                     "blocks; a .*-token prompt needs 8"):
+                    await collect(backend, f"too-big-{wait_s}", prompt_ids[3], GREEDY)
+            finally:
+                await backend.close()
+            waited = time.monotonic() - started
+            if wait_s == 0:
+                assert backend.num_kv_full_waits == 0
+            else:
+                assert backend.num_kv_full_waits >= 2 and waited >= 0.3, (backend.num_kv_full_waits, waited)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        _release(fillers)
+    assert_no_leaks(cluster)
+
+
+def test_a_request_waits_for_decode_kv_blocks_to_free_up(cluster, llm, prompt_ids):
+    """Every decode worker is out of KV blocks when the request arrives; they free up 1 s later
+    (running requests finishing): the request waits instead of failing, then streams the
+    offline greedy tokens, and nothing leaks."""
+    fillers = _fill_decode_workers(cluster)
 
     async def scenario():
         backend = backend_for(cluster, "nixl")
         await backend.start()
         try:
-            with pytest.raises(Overloaded, match="every decode worker is full: .* has 6 free KV "
-                                                 "blocks; a .*-token prompt needs 8"):
-                await collect(backend, "too-big", prompt_ids[3], GREEDY)
+            request = asyncio.ensure_future(collect(backend, "waits", prompt_ids[3], GREEDY))
+            await asyncio.sleep(1.0)
+            assert not request.done() and backend.num_kv_full_waits >= 1
+            await asyncio.to_thread(_release, fillers)
+            return await request
         finally:
             await backend.close()
 
     try:
-        asyncio.run(scenario())
-    finally:
-        for decode, reservation_id in fillers:
-            with grpc.insecure_channel(decode.address) as channel:
-                worker_pb2_grpc.DecodeServiceStub(channel).ReleaseBlocks(
-                    worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=5)
+        samples = asyncio.run(scenario())
+    except BaseException:
+        _release(fillers)
+        raise
+    assert [samples[0]] == offline(llm, [prompt_ids[3]], GREEDY)[0]
     assert_no_leaks(cluster)
 
 
