@@ -94,6 +94,9 @@ class CacheConfig:
     # Host (CPU) tier bytes: None sizes it from the device pool and free memory
     # (``storage.host_pool_num_blocks``), 0 turns the tier off.
     cpu_offload_bytes: int | None = None
+    # Copy blocks between the device cache and the host tier on the engine thread, inline (the
+    # baseline that loadtests/bench_offload.py measures), instead of on a background copier.
+    kv_offload_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

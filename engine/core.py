@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.copier import BackgroundCopier, Copier, InlineCopier
 from engine.kv_cache.events import KVCacheEvent, Tier
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import HostBlockPool
@@ -19,6 +20,7 @@ from engine.kv_cache.lower_stage import LOWER_TIER_COST_DEFAULTS, LowerTierStage
 from engine.kv_cache.lower_tier import LowerTier
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.storage import host_pool_num_blocks
+from engine.mathutils import cdiv
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
 from engine.runner.model_runner import ModelRunner
@@ -55,8 +57,9 @@ class EngineCore:
                                    self.host_tier)
 
     def _build_host_tier(self, lower_tier: LowerTier | None) -> HostTier | NoHostTier:
-        """The host tier sized by ``CacheConfig.cpu_offload_bytes``, listening to device evictions;
-        NoHostTier when it is 0 (or fits no block) or prefix caching is off."""
+        """The host tier sized by ``CacheConfig.cpu_offload_bytes``, the block pool's offloader,
+        copying on a background thread (inline with ``kv_offload_sync``); NoHostTier when it is
+        0 (or fits no block) or prefix caching is off."""
         cache, kv_cache = self.config.cache, self.runner.kv_cache
         block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         num_host_blocks = host_pool_num_blocks(cache, block_bytes, self.runner.num_blocks)
@@ -69,8 +72,12 @@ class EngineCore:
             stager = LowerTierStager(lower_tier, host_pool,
                                      LoadCostModel(cache.block_size, LOWER_TIER_COST_DEFAULTS))
             host_pool.set_eviction_listener(stager.offer)
-        host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size), stager)
-        self.block_pool.set_eviction_listener(host_tier.on_device_evict)
+        copier: Copier = InlineCopier() if cache.kv_offload_sync else BackgroundCopier()
+        host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size), stager, copier)
+        # Copied ahead: about what one step allocates (its token budget), a quarter of the pool at most.
+        num_ahead = 0 if cache.kv_offload_sync else min(
+            cdiv(self.config.scheduler.max_num_batched_tokens, cache.block_size), self.runner.num_blocks // 4)
+        host_tier.attach(self.block_pool, num_ahead)
         return host_tier
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -155,7 +162,7 @@ class EngineCore:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
         sched = self.scheduler.schedule()
-        self.host_tier.flush()  # before anything writes the blocks this schedule evicted
+        self.host_tier.flush()  # copy down, during the forward, what the next step will evict
         if sched.is_empty:
             return []
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
@@ -205,7 +212,7 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                           generator)
         block_ids = self.scheduler.reserve_remote(request)
-        self.host_tier.flush()  # the peer writes these blocks: copy down what they evicted first
+        self.host_tier.flush()  # copy down early what the next allocations will evict
         if block_ids is None:
             return None
         self._samples[request_id] = [request_id]
@@ -308,6 +315,11 @@ class EngineCore:
         for block_hash, tier in self.cached_block_hashes():
             holdings[block_hash] = holdings.get(block_hash, Tier(0)) | tier
         return holdings
+
+    def close(self) -> None:
+        """Finish the block copies in flight and stop the copier thread (idempotent); the engine
+        is not stepped afterwards."""
+        self.host_tier.close()
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the block pool, the block tables or the host tier are inconsistent."""

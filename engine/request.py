@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_HOST_KV = "waiting_for_host_kv"  # its prefix loads from the host tier, off the step loop
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -12,17 +12,23 @@ Invariants (``check_integrity`` verifies them and raises with the numbers):
 The queue's head is the eviction end. Freed blocks join the tail in the order given, so callers
 free a sequence's blocks in reverse (its tail is evicted before its shared prefix).
 
-An *eviction listener* (``set_eviction_listener``) sees the cached blocks that ``get_new_blocks``
-is about to evict, all of one call at once, while they still carry their hash, parent and
-tokens and before ``BlockRemoved`` is queued: the host tier copies them down from there (their
-contents stay intact until the new owner writes, in the next forward) and its ``Stored(HOST)``
-lands in the event stream before the ``Removed(DEVICE)``.
+An *offloader* (``set_offloader``; the host tier) copies cached blocks down before they are
+evicted, off the engine thread. Each free cached block is, to it, ``READY`` (evictable now: its
+bytes are below, or will not be kept), ``NEEDS_COPY`` or ``IN_FLIGHT`` (its copy runs). An
+in-flight block is never handed out: ``get_new_blocks`` takes free blocks from the head that
+are ready, starts the copies of the ``NEEDS_COPY`` ones it passes (they stay cached, so a prefix
+hit may still take them), and only when nothing else is free waits for a copy to finish. The
+offloader announces ``Stored`` on its tier when a copy lands, so that event precedes the pool's
+``BlockRemoved`` of the block. ``offload_ahead`` starts the copies of the blocks at the head
+before anyone asks for them, so that the next allocation finds them ready.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import enum
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from engine.kv_cache.events import (
     AllBlocksCleared,
@@ -83,6 +89,16 @@ class _FreeBlockQueue:
         self.remove(block)
         return block
 
+    def first(self) -> KVBlock | None:
+        """The head (next to evict), or None when empty."""
+        block = self._head.next_free
+        return None if block is self._tail else block
+
+    def after(self, block: KVBlock) -> KVBlock | None:
+        """The block behind ``block`` (towards the tail), or None at the end."""
+        nxt = block.next_free
+        return None if nxt is self._tail else nxt
+
     def __iter__(self) -> Iterator[KVBlock]:
         block = self._head.next_free
         while block is not None and block is not self._tail:
@@ -109,14 +125,14 @@ class BlockPool:
         self._free = _FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVCacheEvent] = []
-        self._eviction_listener: EvictionListener | None = None
+        self._offloader: Offloader | None = None
         self.num_stored_blocks = 0  # hashes ever cached (BlockStored), for stats
         self.num_evicted_blocks = 0  # cached blocks ever evicted for reuse (BlockRemoved)
 
-    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
-        """Call ``listener(blocks)`` with the cached blocks each ``get_new_blocks`` is about to
-        evict (see the module docstring), or stop calling it (None). It must not touch this pool."""
-        self._eviction_listener = listener
+    def set_offloader(self, offloader: Offloader | None) -> None:
+        """Who copies cached blocks down before they are evicted (see the module docstring),
+        or nobody (None: evicted blocks are simply dropped)."""
+        self._offloader = offloader
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,13 +149,26 @@ class BlockPool:
         return [b.block_id for b in self._free]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Pop ``num_blocks`` from the LRU head with ref_cnt 1, evicting any hash they carry."""
+        """Take ``num_blocks`` free blocks with ref_cnt 1, evicting any hash they carry: the
+        ready ones nearest the LRU head, skipping those whose copy down is in flight (see the
+        module docstring; without an offloader, exactly the head ``num_blocks``)."""
         if num_blocks > self._free.num_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, only {self._free.num_blocks} free")
-        new_blocks = [self._free.popleft() for _ in range(num_blocks)]
+        new_blocks: list[KVBlock] = []
+        # A round takes blocks, or starts copies, or waits for one to land: each is progress.
+        for _ in range(2 * (num_blocks + self.num_blocks) + 2):
+            has_started = self._take_ready(num_blocks, new_blocks)
+            if len(new_blocks) == num_blocks:
+                break
+            if not has_started:
+                assert self._offloader is not None  # only it leaves free blocks unready
+                self._offloader.wait_for_offload()
+        else:
+            raise RuntimeError(f"block pool: no progress taking {num_blocks} blocks "
+                               f"({len(new_blocks)} taken, {self._free.num_blocks} free)")
         evicted = [b for b in new_blocks if b.block_hash is not None]
-        if evicted and self._eviction_listener is not None:
-            self._eviction_listener(evicted)
+        if evicted and self._offloader is not None:
+            self._offloader.on_evict(evicted)
         for block in evicted:
             assert block.block_hash is not None
             del self._cached[block.block_hash]
@@ -149,6 +178,50 @@ class BlockPool:
         for block in new_blocks:
             block.ref_cnt = 1
         return new_blocks
+
+    def _take_ready(self, num_blocks: int, taken: list[KVBlock]) -> bool:
+        """Move ready free blocks from the head into ``taken`` until it holds ``num_blocks``, and
+        start the copies of blocks passed that need one, as many as the blocks already taken or
+        in flight leave short. The walk stops at the first block needing a copy once that
+        shortfall is covered, so it visits at most ``num_blocks`` plus the in-flight blocks.
+        Returns whether it started copies."""
+        offloader = self._offloader
+        to_copy: list[KVBlock] = []
+        num_in_flight = 0
+        block = self._free.first()
+        while block is not None and len(taken) < num_blocks:
+            nxt = self._free.after(block)
+            state = EvictionState.READY if offloader is None else offloader.eviction_state(block)
+            if state == EvictionState.READY:
+                self._free.remove(block)
+                taken.append(block)
+            elif state == EvictionState.IN_FLIGHT:
+                num_in_flight += 1
+            elif len(taken) + len(to_copy) + num_in_flight < num_blocks:
+                to_copy.append(block)
+            else:
+                break
+            block = nxt
+        if to_copy and offloader is not None:
+            offloader.start_offload(to_copy)
+        return bool(to_copy)
+
+    def offload_ahead(self, num_blocks: int) -> None:
+        """Start copying down the cached blocks among the ``num_blocks`` free ones at the head
+        that need it, so that the allocations to come find them ready."""
+        offloader = self._offloader
+        if offloader is None or num_blocks <= 0:
+            return
+        to_copy: list[KVBlock] = []
+        block = self._free.first()
+        for _ in range(num_blocks):
+            if block is None:
+                break
+            if offloader.eviction_state(block) == EvictionState.NEEDS_COPY:
+                to_copy.append(block)
+            block = self._free.after(block)
+        if to_copy:
+            offloader.start_offload(to_copy)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block; a free (cached) block leaves the free queue."""
@@ -259,5 +332,31 @@ class BlockPool:
             self._events.append(event)
 
 
-EvictionListener = Callable[[list[KVBlock]], None]
-"""Sees the cached blocks ``BlockPool.get_new_blocks`` is about to evict (``set_eviction_listener``)."""
+class EvictionState(enum.Enum):
+    """What evicting one free block would take, as its offloader sees it."""
+
+    READY = "ready"  # nothing: uncached, already below, or not to be kept
+    NEEDS_COPY = "needs_copy"  # its bytes must be copied down first
+    IN_FLIGHT = "in_flight"  # its copy down runs: neither hand it out nor write it
+
+
+class Offloader(Protocol):
+    """Copies cached blocks down before the pool evicts them (the host tier). Its methods
+    must not call back into the pool except through the blocks' fields they read."""
+
+    def eviction_state(self, block: KVBlock) -> EvictionState:
+        """The state of a free block (uncached ones are READY unless a copy still reads them)."""
+        ...
+
+    def start_offload(self, blocks: list[KVBlock]) -> None:
+        """Start copying these NEEDS_COPY cached blocks down (each becomes IN_FLIGHT, then
+        READY once its copy landed or failed)."""
+        ...
+
+    def wait_for_offload(self) -> None:
+        """Block until at least one copy in flight is over and settled (its blocks READY)."""
+        ...
+
+    def on_evict(self, blocks: list[KVBlock]) -> None:
+        """These READY cached blocks are evicted now (they still carry hash, parent, tokens)."""
+        ...

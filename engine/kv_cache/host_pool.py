@@ -10,13 +10,16 @@ Invariants (``check_integrity`` verifies them and raises with the numbers):
 
 - every slot is either free or held by exactly one entry: free + cached == num_blocks;
 - the map holds each hash once, and its entry names its own hash;
-- a pinned entry (``num_pins > 0``) is never evicted; pins last within one engine step only.
+- a pinned entry (``num_pins > 0``) is never evicted; a pin lasts while a copy that reads or
+  writes its slot is in flight (``engine/kv_cache/host_tier.py`` says which, at any moment);
+- an entry is *ready* once its bytes are there (``commit``); until then it is pinned, invisible
+  to ``match_prefix``, ``cached_block_hashes`` and ``num_cached_blocks``, and announced nowhere.
 
 Events go to ``event_sink`` in the order things happened: ``BlockStored(HOST)`` with the parent
-and token ids when an entry is created (before its data is copied in, which happens in the same
-step, before the next forward), ``BlockRemoved(HOST)`` when the LRU evicts it, and
-``AllBlocksCleared(HOST)`` on ``clear``. An evicted entry is first offered, with its bytes, to
-``on_evict`` (the next tier down, see ``engine/kv_cache/lower_tier.py``).
+and token ids when an entry is committed (its bytes have landed), ``BlockRemoved(HOST)`` when
+the LRU evicts a ready entry or a bad one is discarded, and ``AllBlocksCleared(HOST)`` on
+``clear``. An evicted entry is first offered, with its bytes, to ``on_evict`` (the next tier
+down, see ``engine/kv_cache/lower_tier.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class HostEntry:
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
-    num_pins: int = 0  # copies in flight that read or write this slot (within one step)
+    num_pins: int = 0  # copies in flight (or admissions in progress) that read or write this slot
+    is_ready: bool = False  # its bytes are there and it was announced (``commit``)
 
 
 def copy_block_runs(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
@@ -126,18 +130,20 @@ class HostBlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._entries)
+        """Ready entries (announced as stored)."""
+        return sum(1 for e in self._entries.values() if e.is_ready)
 
     def get(self, block_hash: BlockHash) -> HostEntry | None:
         """The entry holding ``block_hash``, or None. Does not touch the LRU."""
         return self._entries.get(block_hash)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash]) -> list[HostEntry]:
-        """The entries of the leading run of ``block_hashes`` held here (stops at the first miss)."""
+        """The ready entries of the leading run of ``block_hashes`` held here (stops at the first
+        miss, or at an entry whose bytes are still on their way)."""
         run: list[HostEntry] = []
         for block_hash in block_hashes:
             entry = self._entries.get(block_hash)
-            if entry is None:
+            if entry is None or not entry.is_ready:
                 break
             run.append(entry)
         return run
@@ -159,10 +165,10 @@ class HostBlockPool:
 
     def reserve(self, block_hash: BlockHash, parent_hash: BlockHash | None,
                 token_ids: Sequence[int]) -> HostEntry | None:
-        """A new entry for ``block_hash`` whose slot the caller fills before the next forward
-        (it comes back pinned: unpin it once written), evicting the LRU unpinned entry if no slot
-        is free. Returns None when the hash is already here (touched instead: nothing to copy)
-        or every entry is pinned. Queues ``BlockStored(HOST)``."""
+        """A new, not yet ready entry for ``block_hash`` whose slot the caller fills and then
+        ``commit``s (or ``discard``s when the copy failed); it comes back pinned. Evicts the LRU
+        unpinned entry if no slot is free. Returns None when the hash is already here (touched
+        instead: nothing to copy) or every entry is pinned. Queues nothing."""
         existing = self._entries.get(block_hash)
         if existing is not None:
             self._entries.move_to_end(block_hash)
@@ -171,18 +177,32 @@ class HostBlockPool:
             return None
         entry = HostEntry(self._free_slots.pop(), block_hash, parent_hash, tuple(token_ids), num_pins=1)
         self._entries[block_hash] = entry
-        self.num_stored_blocks += 1
-        self._sink(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids), Tier.HOST))
         return entry
 
+    def commit(self, entries: Sequence[HostEntry]) -> None:
+        """The reserved entries' bytes have landed: unpin them (the reservation's pin), make
+        them ready and queue ``BlockStored(HOST)`` for each, in order (a chain parents first
+        coalesces into one event)."""
+        for entry in entries:
+            if self._entries.get(entry.block_hash) is not entry or entry.is_ready:
+                raise RuntimeError(f"committing host slot {entry.slot}: not reserved here, or already ready")
+        self.unpin(entries)
+        for entry in entries:
+            entry.is_ready = True
+            self.num_stored_blocks += 1
+            self._sink(BlockStored([entry.block_hash], entry.parent_hash, list(entry.token_ids),
+                                   len(entry.token_ids), Tier.HOST))
+
     def discard(self, entry: HostEntry) -> None:
-        """Drop one unpinned entry whose data is bad (a failed load); queues BlockRemoved(HOST)."""
+        """Drop one unpinned entry whose data is bad (a failed copy): a ready one queues
+        BlockRemoved(HOST); one never committed was never announced, and goes silently."""
         if self._entries.get(entry.block_hash) is not entry or entry.num_pins:
             raise RuntimeError(f"discarding host slot {entry.slot}: not held here, or pinned")
         del self._entries[entry.block_hash]
         self._free_slots.append(entry.slot)
-        self.num_evicted_blocks += 1
-        self._sink(BlockRemoved([entry.block_hash], Tier.HOST))
+        if entry.is_ready:
+            self.num_evicted_blocks += 1
+            self._sink(BlockRemoved([entry.block_hash], Tier.HOST))
 
     def clear(self, emit: bool = True) -> None:
         """Forget every entry (``reset_prefix_cache``); with ``emit``, queue AllBlocksCleared(HOST).
@@ -196,8 +216,12 @@ class HostBlockPool:
             self._sink(AllBlocksCleared(Tier.HOST))
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Every hash held here now, least recently used first."""
-        return list(self._entries)
+        """Every hash held here now (ready entries), least recently used first."""
+        return [h for h, e in self._entries.items() if e.is_ready]
+
+    def pinned_slots(self) -> dict[int, int]:
+        """Slot -> pins, for the entries pinned now."""
+        return {e.slot: e.num_pins for e in self._entries.values() if e.num_pins}
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain events queued here (only when no ``event_sink`` was given), oldest first."""
@@ -211,7 +235,8 @@ class HostBlockPool:
         slots = [e.slot for e in self._entries.values()]
         free = set(self._free_slots)
         wrong_keys = [h.hex()[:8] for h, e in self._entries.items() if e.block_hash != h]
-        pinned = [e.slot for e in self._entries.values() if e.num_pins < 0 or (at_rest and e.num_pins)]
+        pinned = [e.slot for e in self._entries.values()
+                  if e.num_pins < 0 or (at_rest and e.num_pins) or (not e.is_ready and not e.num_pins)]
         if (len(set(slots)) != len(slots) or len(free) != len(self._free_slots) or free & set(slots)
                 or len(free) + len(slots) != self.num_blocks or wrong_keys or pinned
                 or not all(0 <= s < self.num_blocks for s in slots + self._free_slots)):
@@ -219,7 +244,7 @@ class HostBlockPool:
                 f"host pool inconsistent: {len(slots)} entries on {len(set(slots))} distinct slots, "
                 f"{len(self._free_slots)} free slots ({len(free)} distinct, {len(free & set(slots))} also "
                 f"held), total {self.num_blocks}; entries under another hash: {wrong_keys[:8]}; "
-                f"pinned{' at rest' if at_rest else ' negatively'}: {pinned[:8]}")
+                f"pinned{' at rest' if at_rest else ' negatively'} (or not ready and unpinned): {pinned[:8]}")
 
     def _evict(self, num_blocks: int) -> bool:
         """Free ``num_blocks`` slots from the LRU end, skipping pinned entries; offer them to

@@ -10,7 +10,7 @@ device blocks in the same batch of run copies as its own hits; they stay host-ca
 (inclusive), and become device-cached like any host hit.
 
 A short count (the store died, a block was evicted, a deadline passed) keeps the leading blocks
-that were written; the slots reserved for the others are dropped (``BlockRemoved(HOST)``) and the
+that were written; the slots reserved for the others are dropped (never announced) and the
 request recomputes from the first block not written. Nothing here raises on a lower-tier failure.
 
 Counters (``TierCounters`` of ``Tier.KVSTORE``): queried/hit blocks are counted here, when the
@@ -77,6 +77,8 @@ class LowerTierStager:
             self.counters.num_load_failures += 1
             self._drop(entries[num_loaded:])
         loaded = entries[:num_loaded]
+        self.host_pool.commit(loaded)  # Stored(HOST) now that the bytes are there
+        self.host_pool.pin(loaded)  # for the host tier's load up, as its own hits are
         self.counters.num_hit_blocks += num_loaded
         self.counters.num_hit_tokens += num_loaded * block_size
         self.counters.num_loaded_bytes += num_loaded * self.host_pool.block_bytes

@@ -20,8 +20,11 @@ from prefix hits or a ``truncate`` into a cached block. Until ``take_copy_ops`` 
 queued copy are pinned (an extra reference), so a preemption or free later in the same step
 cannot hand either block to someone else: the copies of one step never overlap.
 
+A block a copy is being written into (a host-tier load) is held (``hold_blocks``) until the copy
+lands, so freeing or aborting its request cannot hand it to someone else meanwhile.
+
 The manager must be the pool's only client: ``check_integrity`` matches every block's ref_cnt
-against the tables.
+against the tables, the copy pins and the holds.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class KVCacheManager:
         self._requests: dict[str, _RequestBlocks] = {}
         self._copy_ops: list[tuple[KVBlock, KVBlock]] = []  # (src, dst), both pinned
         self._num_pins: Counter[int] = Counter()  # block_id -> references held by _copy_ops
+        self._num_holds: Counter[int] = Counter()  # block_id -> references held by ``hold_blocks``
 
     @property
     def num_free_blocks(self) -> int:
@@ -210,6 +214,21 @@ class KVCacheManager:
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
 
+    def hold_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take an extra reference on each block (a copy into it is in flight): a free or an
+        abort of its request leaves it out of the free queue until ``release_blocks``."""
+        self.block_pool.touch(self.block_pool.blocks[i] for i in block_ids)
+        self._num_holds.update(block_ids)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop the references of ``hold_blocks``, last block first."""
+        for block_id in block_ids:
+            if self._num_holds[block_id] <= 0:
+                raise RuntimeError(f"releasing block {block_id} which is not held")
+            self._num_holds[block_id] -= 1
+        self._num_holds += Counter()  # drop zero counts
+        self.block_pool.free_blocks(self.block_pool.blocks[i] for i in reversed(block_ids))
+
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
@@ -224,11 +243,12 @@ class KVCacheManager:
         self.block_pool.check_integrity()
         refs = Counter(b.block_id for state in self._requests.values() for b in state.blocks)
         refs.update(self._num_pins)
+        refs.update(self._num_holds)
         wrong = [(b.block_id, b.ref_cnt, refs[b.block_id]) for b in self.block_pool.blocks
                  if b.ref_cnt != refs[b.block_id]]
         if wrong:
             raise RuntimeError(f"{len(wrong)} blocks have ref_cnt != tables holding them + copy pins "
-                               f"(block_id, ref_cnt, tables + pins): {wrong[:10]}")
+                               f"(load holds count as pins) (block_id, ref_cnt, tables + pins): {wrong[:10]}")
         for request_id, state in self._requests.items():
             ids = [b.block_id for b in state.blocks]
             if len(set(ids)) != len(ids) or state.num_cached_blocks > len(ids):
@@ -236,7 +256,7 @@ class KVCacheManager:
                                    f"num_cached_blocks={state.num_cached_blocks} exceeds its length")
 
     def _is_shared(self, block: KVBlock) -> bool:
-        return block.ref_cnt - self._num_pins[block.block_id] > 1
+        return block.ref_cnt - self._num_pins[block.block_id] - self._num_holds[block.block_id] > 1
 
     def _require(self, request_id: str) -> _RequestBlocks:
         state = self._requests.get(request_id)

@@ -15,21 +15,27 @@ whose KV arrives from elsewhere (WAITING_FOR_REMOTE_KV) once it has landed.
 
 Admission reuses the longest cached prefix: device blocks first, then the host tier's
 continuation of the hash chain, then the lower tier's (the node's kvstore, staged through host
-slots), loaded into fresh blocks before the forward when that is estimated faster than
-recomputing (``engine/kv_cache/host_tier.py``, ``engine/kv_cache/lower_stage.py``).
+slots), loaded into fresh blocks when that is estimated faster than recomputing
+(``engine/kv_cache/host_tier.py``, ``engine/kv_cache/lower_stage.py``). The load runs off the
+step loop: the request waits (WAITING_FOR_HOST_KV, holding its blocks, the load's targets held
+against reuse) while the others step, and is admitted with the loaded blocks as computed once
+the load has landed (each schedule first books finished loads); a short load recomputes from
+the first block that did not load. A request aborted meanwhile gives its blocks back, the
+targets only once the load has landed.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.host_pool import HostEntry
-from engine.kv_cache.host_tier import HostTier, NoHostTier
+from engine.kv_cache.host_tier import HostLoad, HostTier, NoHostTier
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler.forks import PendingForks
@@ -38,6 +44,22 @@ from engine.stats import TierCounters
 
 if TYPE_CHECKING:
     from engine.sampling.logprobs import PositionLogprobs
+
+WAITING_FOR_KV = (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING_FOR_HOST_KV)
+
+
+@dataclass(slots=True, eq=False)
+class _PrefixLoad:
+    """A queued request's host hit being loaded into its blocks (``HostTier.start_load``)."""
+
+    request: Request
+    load: HostLoad
+    num_device_blocks: int  # the device hit before the loaded blocks
+    num_lookup: int  # blocks the admission looked up (for the tier counters)
+
+
+def _is_short(prefix_load: _PrefixLoad) -> bool:
+    return prefix_load.load.num_loaded < len(prefix_load.load.entries)
 
 
 class Scheduler:
@@ -58,6 +80,8 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # PREFILL: finished, blocks kept until released
         self.forks = PendingForks()  # n > 1: samples waiting to share sample 0's prompt blocks
         self.num_preemptions = 0
+        self._loads: list[_PrefixLoad] = []  # in flight, oldest first (aborted requests' included)
+        self._short_loaded: set[str] = set()  # their load came up short: recompute, no new lookup
 
     # ---- admission -------------------------------------------------------------------
 
@@ -153,6 +177,18 @@ class Scheduler:
     # ---- schedule --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """This step's requests and tokens. Books the prefix loads that landed first; when
+        nothing could be scheduled but a load is in flight, waits for it (rather than have the
+        caller spin through empty steps) and tries again."""
+        self._settle_loads()
+        out = self._schedule_pass()
+        if out.is_empty and not out.preempted_ids and self._loads:
+            self.host_tier.wait_for_load(self._loads[0].load)
+            self._settle_loads()
+            out = self._schedule_pass()
+        return out
+
+    def _schedule_pass(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Decodes (with their drafts) first, then prefill chunks, each in arrival order: a long
@@ -176,13 +212,16 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or out.preempted_ids or self._num_seats_taken() >= self.config.max_num_seqs:
                 break
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            if request.status in WAITING_FOR_KV:
                 continue
             admitted = self._admit_queued(request, budget)
+            if request.status == RequestStatus.WAITING_FOR_HOST_KV:
+                continue  # its prefix is loading; the next ones may go on
             if admitted is None:
                 break
             num_computed, num_new = admitted
             self.waiting.remove(request)
+            self._short_loaded.discard(request.request_id)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
@@ -212,15 +251,18 @@ class Scheduler:
         return True
 
     def _admit_queued(self, request: Request, budget: int) -> tuple[int, int] | None:
-        """Blocks for a queued request: its cached prefix (device blocks, then the host tier's,
-        loaded now) and this step's tokens. Returns (computed tokens, tokens to schedule), or
-        None, changing nothing, when they do not fit."""
+        """Blocks for a queued request: its cached prefix (device blocks, then the host tier's)
+        and this step's tokens. Returns (computed tokens, tokens to schedule), or None, changing
+        nothing, when they do not fit. A host hit starts loading: unless the load is already
+        over (a synchronous copier), the request is left WAITING_FOR_HOST_KV, holding its
+        blocks, and (0, 0) is returned."""
         computed_blocks: list[KVBlock] = []
         host_hits: list[HostEntry] = []
         num_computed, num_lookup = request.num_computed_tokens, 0
         # Prompt logprobs need the logits of every prompt position: no prefix hit for them.
         is_lookup = (num_computed == 0 and self.enable_prefix_caching
-                     and request.sampling_params.prompt_logprobs is None)
+                     and request.sampling_params.prompt_logprobs is None
+                     and request.request_id not in self._short_loaded)
         if is_lookup:
             computed_blocks, host_hits, num_computed, num_lookup = self._lookup_prefix(request)
         num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap())
@@ -229,13 +271,64 @@ class Scheduler:
             return None
         if host_hits:
             num_allocated = num_computed + num_new
-            num_computed = self._load_host_hits(request, len(computed_blocks), host_hits)
+            if not self._start_prefix_load(request, len(computed_blocks), host_hits, num_lookup):
+                return 0, 0
+            num_computed = request.num_computed_tokens
             # A short load recomputes what it missed, within this step's budget and blocks.
             num_new = min(request.num_tokens - num_computed, budget, self._chunk_cap(),
                           num_allocated - num_computed)
-        if is_lookup:
+        elif is_lookup:
             self._record_lookup(num_lookup, len(computed_blocks), num_computed)
         return num_computed, num_new
+
+    def _start_prefix_load(self, request: Request, num_device_blocks: int, host_hits: list[HostEntry],
+                           num_lookup: int) -> bool:
+        """Load the host hits into the fresh blocks after the device hit in the request's table,
+        holding those blocks until the load lands. Returns True when it already has (the
+        request's computed tokens are set); else the request now waits for it."""
+        block_ids = self.kv_manager.get_block_ids(request.request_id)
+        targets = block_ids[num_device_blocks:num_device_blocks + len(host_hits)]
+        self.kv_manager.hold_blocks(targets)
+        prefix_load = _PrefixLoad(request, self.host_tier.start_load(host_hits, targets),
+                                  num_device_blocks, num_lookup)
+        request.status = RequestStatus.WAITING_FOR_HOST_KV
+        self.host_tier.poll()
+        if prefix_load.load.is_settled:
+            self._finish_prefix_load(prefix_load)
+            return True
+        self._loads.append(prefix_load)
+        return False
+
+    def _settle_loads(self) -> None:
+        """Book the prefix loads that have landed."""
+        if not self._loads:
+            return
+        self.host_tier.poll()
+        landed = [p for p in self._loads if p.load.is_settled]
+        self._loads = [p for p in self._loads if not p.load.is_settled]
+        for prefix_load in landed:
+            self._finish_prefix_load(prefix_load)
+            request = prefix_load.request
+            if request.status == RequestStatus.WAITING and _is_short(prefix_load):
+                self._short_loaded.add(request.request_id)  # else a lookup would load it again
+                if request.num_computed_tokens == 0:
+                    self.kv_manager.free(request.request_id)  # nothing loaded: admitted afresh
+
+    def _finish_prefix_load(self, prefix_load: _PrefixLoad) -> None:
+        """A landed load: its targets are released, and (unless the request went meanwhile)
+        the request's computed tokens run through the last block that loaded, cached there
+        (Stored(DEVICE)); it is queued for admission again."""
+        request, load = prefix_load.request, prefix_load.load
+        self.kv_manager.release_blocks(load.block_ids)
+        if request.status != RequestStatus.WAITING_FOR_HOST_KV:  # aborted or finished meanwhile
+            return
+        num_computed = (prefix_load.num_device_blocks + load.num_loaded) * self.block_size
+        request.num_computed_tokens = num_computed
+        self.kv_manager.cache_blocks(request.request_id, request.block_hashes, num_computed,
+                                     request.token_view)
+        self._record_lookup(prefix_load.num_lookup, prefix_load.num_device_blocks, num_computed,
+                            load.num_host_run)
+        request.status = RequestStatus.WAITING
 
     def _allocate_queued(self, request: Request, num_total_tokens: int,
                          computed_blocks: list[KVBlock], num_computed: int) -> bool:
@@ -261,7 +354,8 @@ class Scheduler:
         return computed_blocks, host_hits, num_computed + len(host_hits) * self.block_size, num_lookup
 
     def _load_host_hits(self, request: Request, num_device_blocks: int, host_hits: list[HostEntry]) -> int:
-        """Load the host tier's blocks into the fresh device blocks that follow the device hit in
+        """A reservation's host hit, loaded before it returns (its reply states what is cached):
+        copy the host tier's blocks into the fresh device blocks that follow the device hit in
         the request's table and cache them there (Stored(DEVICE)). Returns the request's computed
         tokens: through the last block that loaded (the rest is recomputed, as if never hit)."""
         block_ids = self.kv_manager.get_block_ids(request.request_id)
@@ -272,14 +366,16 @@ class Scheduler:
                                      request.token_view)
         return num_computed
 
-    def _record_lookup(self, num_lookup: int, num_device_blocks: int, num_computed: int) -> None:
+    def _record_lookup(self, num_lookup: int, num_device_blocks: int, num_computed: int,
+                       num_host_run: int | None = None) -> None:
         """Count one admission's prefix lookup: ``num_lookup`` blocks asked of the device tier,
-        what it missed asked of the host tier."""
+        what it missed asked of the host tier (``num_host_run``: see ``HostTier.record_query``)."""
         num_host_blocks = num_computed // self.block_size - num_device_blocks
         self.device_counters.num_queried_blocks += num_lookup
         self.device_counters.num_hit_blocks += num_device_blocks
         self.device_counters.num_hit_tokens += num_device_blocks * self.block_size
-        self.host_tier.record_query(num_lookup - num_device_blocks, num_host_blocks, self.block_size)
+        self.host_tier.record_query(num_lookup - num_device_blocks, num_host_blocks, self.block_size,
+                                    num_host_run)
 
     def _evict_queued_kv(self, keep: Request) -> bool:
         """Free the blocks of the newest queued request whose KV landed from a prefill worker
@@ -311,8 +407,10 @@ class Scheduler:
                 out.fork_children[request.request_id] = list(children)
 
     def _num_seats_taken(self) -> int:
-        """Running requests plus the samples that will fork from running ones."""
-        return len(self.running) + self.forks.num_waiting_on(
+        """Running requests, those whose prefix loads, and the samples that will fork from
+        running ones."""
+        num_loading = sum(1 for p in self._loads if p.request.status == RequestStatus.WAITING_FOR_HOST_KV)
+        return len(self.running) + num_loading + self.forks.num_waiting_on(
             lambda parent_id: self.requests[parent_id].status == RequestStatus.RUNNING)
 
     def _chunk_cap(self) -> int:
@@ -455,6 +553,7 @@ class Scheduler:
         else:
             self.forks.drop(request)
         del self.requests[request.request_id]
+        self._short_loaded.discard(request.request_id)
         # Samples still waiting to fork from it compute their prompt themselves.
         self.waiting.extendleft(reversed(self.forks.take(request.request_id)))
         if status == RequestStatus.FINISHED_PREFILLED:
@@ -481,4 +580,5 @@ class Scheduler:
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to serve, or loads in flight whose blocks come back once booked."""
+        return bool(self.requests or self._loads)

@@ -136,8 +136,9 @@ def check_scheduler(scheduler: Scheduler) -> None:
     for request in scheduler.running:
         num_slots = len(manager.get_block_ids(request.request_id)) * scheduler.block_size
         assert num_slots >= request.num_computed_tokens, (request, num_slots)
-    for request in [*scheduler.waiting, *pending]:  # only reserved or landed remote KV is held
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV and request.num_computed_tokens == 0:
+    for request in [*scheduler.waiting, *pending]:  # only reserved, loading or landed KV is held
+        if (request.status not in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING_FOR_HOST_KV)
+                and request.num_computed_tokens == 0):
             assert manager.get_block_ids(request.request_id) == [], request
     owners = set(manager._requests)
     assert owners <= set(scheduler.requests) | set(scheduler.held), owners

@@ -6,17 +6,22 @@ them. Before writing a step's tokens the runner reads back every computed positi
 scheduled request, so a block offloaded too late (after its new owner wrote it), a reload into
 the wrong block, or a failed load that is not recomputed shows up as a request reading someone
 else's tokens.
+
+``ManualCopier`` runs the real copy jobs only when told (or when the engine side waits for
+one), so a test decides when each copy in flight lands: a fence that is missing lets the runner
+write into a block before a late copy reads it, or a late load overwrite a reused block.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.copier import Copier, CopyFn, CopyJob
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import HostBlockPool
 from engine.kv_cache.host_tier import HostTier
@@ -47,6 +52,40 @@ class FlakyHostTier(HostTier):
         if set(slots) & self.failing_slots:
             raise RuntimeError(f"injected load failure on host slots {sorted(set(slots) & self.failing_slots)}")
         super().copy_to_device(block_ids, slots)
+
+
+class ManualCopier:
+    """A Copier whose jobs run, in submission order, when ``run(n)`` says so, or when the engine
+    side waits for one (then every job up to it runs, as on the real thread)."""
+
+    def __init__(self) -> None:
+        self.queue: deque[CopyJob] = deque()
+
+    def submit(self, fn: CopyFn) -> CopyJob:
+        job = CopyJob(fn)
+        self.queue.append(job)
+        return job
+
+    def run(self, num_jobs: int | None = None) -> int:
+        """Run the oldest ``num_jobs`` queued jobs (None: all); returns how many ran."""
+        count = 0
+        while self.queue and (num_jobs is None or count < num_jobs):
+            job = self.queue.popleft()
+            job.run()
+            job.is_done = True
+            count += 1
+        return count
+
+    def wait(self, job: CopyJob) -> bool:
+        if job.is_done:
+            return False
+        while not job.is_done:
+            if not self.run(1):
+                raise RuntimeError("waiting for a job this copier never got")
+        return True
+
+    def close(self) -> None:
+        self.run()
 
 
 class MemoryLowerTier:
@@ -89,8 +128,10 @@ class MemoryLowerTier:
 
 def make_tier_scheduler(*, num_blocks: int = 4, num_host_blocks: int = 8, block_size: int = 4,
                         max_num_batched_tokens: int = 64, max_num_seqs: int = 4,
-                        max_model_len: int = 64, lower: MemoryLowerTier | None = None
+                        max_model_len: int = 64, lower: MemoryLowerTier | None = None,
+                        copier: Copier | None = None, num_ahead: int = 0
                         ) -> tuple[Scheduler, FlakyHostTier]:
+    """A scheduler over a real block pool and host tier (copies inline unless ``copier``)."""
     model_config = ModelConfig("fake", vocab_size=1000, hidden_size=8, intermediate_size=16, num_layers=1,
                                num_heads=1, num_kv_heads=1, head_dim=8, max_model_len=max_model_len)
     pool = BlockPool(num_blocks, enable_caching=True, enable_events=True)
@@ -100,9 +141,9 @@ def make_tier_scheduler(*, num_blocks: int = 4, num_host_blocks: int = 8, block_
     if lower is not None:
         stager = LowerTierStager(lower, host_pool, LoadCostModel(block_size))
         host_pool.set_eviction_listener(stager.offer)
-    tier = FlakyHostTier(host_pool, device_cache, LoadCostModel(block_size), stager)
+    tier = FlakyHostTier(host_pool, device_cache, LoadCostModel(block_size), stager, copier)
     tier.failing_slots = set()
-    pool.set_eviction_listener(tier.on_device_evict)
+    tier.attach(pool, num_ahead)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, Role.COLOCATED), model_config,
                           KVCacheManager(pool, block_size), block_size, True, tier)
     return scheduler, tier

@@ -39,11 +39,11 @@ def pool(offered):
 
 
 def store(pool: HostBlockPool, i: int) -> int:
-    """Reserve block i of the chain, write its tokens as its data, unpin it; returns its slot."""
+    """Reserve block i of the chain, write its tokens as its data, commit it; returns its slot."""
     entry = pool.reserve(HASHES[i], parent(i), tokens(i))
     assert entry is not None
     pool.kv_cache[entry.slot] = torch.tensor(tokens(i), dtype=torch.float32)
-    pool.unpin([entry])
+    pool.commit([entry])
     return entry.slot
 
 
@@ -87,7 +87,8 @@ def test_pinned_entries_are_never_evicted(pool):
     assert pool.reserve(HASHES[5], HASHES[4], tokens(5)) is None  # everything pinned: not kept
     with pytest.raises(RuntimeError, match="pinned at rest"):
         pool.check_integrity()
-    pool.unpin(pinned[:2] + [pool.get(HASHES[4])])
+    pool.unpin(pinned[:2])
+    pool.commit([pool.get(HASHES[4])])
     pool.check_integrity()
     assert pool.num_cached_blocks <= pool.num_blocks
 
@@ -115,7 +116,28 @@ def test_clear_refuses_while_a_copy_is_in_flight(pool):
     pool.reserve(HASHES[0], None, tokens(0))
     with pytest.raises(RuntimeError, match="pinned"):
         pool.clear()
-    pool.unpin([pool.get(HASHES[0])])
+    pool.commit([pool.get(HASHES[0])])
+
+
+def test_a_reserved_entry_is_announced_and_matched_only_once_committed(pool):
+    entry = pool.reserve(HASHES[0], None, tokens(0))
+    assert entry is not None and not entry.is_ready
+    assert pool.take_events() == [] and pool.match_prefix(HASHES) == []
+    assert pool.cached_block_hashes() == [] and pool.num_cached_blocks == 0
+    assert pool.reserve(HASHES[0], None, tokens(0)) is None  # its copy is on the way: not twice
+    pool.commit([entry])
+    assert pool.take_events() == [BlockStored([HASHES[0]], None, tokens(0), BLOCK_SIZE, Tier.HOST)]
+    assert [e.slot for e in pool.match_prefix(HASHES)] == [0] and pool.num_cached_blocks == 1
+    with pytest.raises(RuntimeError, match="already ready"):
+        pool.commit([entry])
+
+
+def test_a_reserved_entry_whose_copy_failed_goes_unannounced(pool):
+    entry = pool.reserve(HASHES[0], None, tokens(0))
+    pool.unpin([entry])
+    pool.discard(entry)
+    assert pool.take_events() == [] and pool.num_evicted_blocks == 0
+    assert store(pool, 1) == 0  # the slot is free again
 
 
 def test_bad_arguments():

@@ -43,7 +43,8 @@ def test_a_prefix_gone_from_device_and_host_comes_back_from_the_lower_tier(setup
     events = scheduler.kv_manager.take_events()
     staged = [e for e in events if isinstance(e, BlockStored) and e.tier == Tier.HOST]
     assert [h for e in staged for h in e.block_hashes] == HA[:3]  # staged parents first
-    assert staged[0].parent_block_hash is None and staged[0].token_ids == PROMPT_A[:4]
+    # Announced once the bytes are there, all at once: one chain event, or several in order.
+    assert staged[0].parent_block_hash is None and staged[0].token_ids[:BS] == PROMPT_A[:BS]
     assert events[-1] == BlockStored(HA[:3], None, PROMPT_A[:12], BS, Tier.DEVICE)
     stager = tier.lower
     assert stager is not None
@@ -58,8 +59,11 @@ def test_a_short_load_recomputes_from_the_last_good_block(setup):
     lower.max_load = 1
     assert runner.run(make_request("a2", PROMPT_A, max_tokens=2)) == ([100, 101], 4)
     events = scheduler.kv_manager.take_events()
+    stored = {h for e in events if isinstance(e, BlockStored) and e.tier == Tier.HOST for h in e.block_hashes}
     removed = {h for e in events if isinstance(e, BlockRemoved) and e.tier == Tier.HOST for h in e.block_hashes}
-    assert {HA[1], HA[2]} <= removed  # the slots reserved for what did not load are dropped
+    # The slots reserved for what did not load are dropped, never having been announced.
+    assert HA[0] in stored and not {HA[1], HA[2]} & (stored | removed)
+    assert tier.host_pool.get(HA[1]) is None and tier.host_pool.get(HA[2]) is None
     assert tier.lower is not None and tier.lower.counters.num_load_failures == 1
 
 

@@ -1,11 +1,13 @@
 """No block leaks on any tier: a hypothesis state machine interleaving add, step (which evicts,
-offloads and reloads), abort, finish, failing loads, a cost gate that flips, host loss, reset,
-and (when the machine has one) a lower tier below the host (an in-memory kvstore stand-in) that
-is lost or dies mid-load, over the real scheduler, block pool, host tier and lower-tier stager
-on a KV tensor of token ids.
+offloads and reloads), abort, finish, failing loads and offloads, a cost gate that flips, host
+loss, reset, and (when the machine has one) a lower tier below the host (an in-memory kvstore
+stand-in) that is lost or dies mid-load, over the real scheduler, block pool, host tier and
+lower-tier stager on a KV tensor of token ids. The copies run inline, or on a copier whose jobs
+land when a rule says (``land``) or when the engine side waits for one, so copies in flight
+meet every other rule, with blocks copied ahead of eviction or not.
 
 Checked after every rule: the scheduler's invariants (tests/unit/_scheduler_fakes.py), the host
-pool's integrity at rest (no pin survives a step), both capacities, and that every hash the
+pool's integrity (its pins are exactly those of the copies in flight), both capacities, and that every hash the
 host holds was announced Stored(HOST) and not removed since (the event stream replays to the
 pool's state). Every step the runner reads back each request's computed tokens from the device
 tensor, so a reload of the wrong bytes fails at once. At the end every request finishes and
@@ -29,7 +31,7 @@ from hypothesis.stateful import (
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from engine.request import Request, RequestStatus
 from tests.unit._scheduler_fakes import check_scheduler, make_request
-from tests.unit._tier_fakes import MemoryLowerTier, TierRunner, make_tier_scheduler
+from tests.unit._tier_fakes import ManualCopier, MemoryLowerTier, TierRunner, make_tier_scheduler
 
 EOS = 0
 MAX_MODEL_LEN = 32
@@ -45,13 +47,16 @@ prompts = st.lists(st.integers(1, 3), min_size=1, max_size=10)  # few symbols: p
 class TierMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(4, 7),
                 num_host_blocks=st.integers(1, 8), budget=st.integers(2, 16), max_num_seqs=st.integers(1, 3),
-                lower_capacity=st.sampled_from([0, 3, 16]))
-    def setup(self, block_size, num_blocks, num_host_blocks, budget, max_num_seqs, lower_capacity):
+                lower_capacity=st.sampled_from([0, 3, 16]), is_deferred=st.booleans(),
+                num_ahead=st.integers(0, 3))
+    def setup(self, block_size, num_blocks, num_host_blocks, budget, max_num_seqs, lower_capacity,
+              is_deferred, num_ahead):
         self.lower = MemoryLowerTier(lower_capacity) if lower_capacity else None
+        self.copier = ManualCopier() if is_deferred else None
         self.scheduler, self.tier = make_tier_scheduler(
             num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=block_size,
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-            lower=self.lower)
+            lower=self.lower, copier=self.copier, num_ahead=num_ahead)
         self.runner = TierRunner(self.scheduler, self.tier, fake_token)
         self.ids = 0
         self.on_host: set[bytes] = set()  # replayed from the events
@@ -124,6 +129,17 @@ class TierMachine(RuleBasedStateMachine):
         if self.tier.lower is not None:
             lower_cost = self.tier.lower.cost
             lower_cost.load_us_per_block = lower_cost.recompute_us_per_block * (10 if slow else 0.01)
+
+    @precondition(lambda self: self.copier is not None and self.copier.queue)
+    @rule(num_jobs=st.integers(1, 3))
+    def land(self, num_jobs):
+        """Copies in flight land (the engine side books them at its next look)."""
+        self.copier.run(num_jobs)
+
+    @rule(is_failing=st.booleans())
+    def fail_offloads(self, is_failing):
+        """Copies down fail from now on (or work again)."""
+        self.tier.is_offload_failing = is_failing
 
     @rule()
     def lose_host(self):
