@@ -118,6 +118,7 @@ class HostBlockPool:
         self.block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
         self._entries: OrderedDict[BlockHash, HostEntry] = OrderedDict()  # LRU first
         self._free_slots = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest slot
+        self._num_ready = 0
         self._events: list[KVCacheEvent] = []
         self._sink = event_sink if event_sink is not None else self._events.append
         self._on_evict = on_evict
@@ -130,8 +131,8 @@ class HostBlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Ready entries (announced as stored)."""
-        return sum(1 for e in self._entries.values() if e.is_ready)
+        """Ready entries (announced as stored). One read: safe from another thread (stats)."""
+        return self._num_ready
 
     def get(self, block_hash: BlockHash) -> HostEntry | None:
         """The entry holding ``block_hash``, or None. Does not touch the LRU."""
@@ -189,6 +190,7 @@ class HostBlockPool:
         self.unpin(entries)
         for entry in entries:
             entry.is_ready = True
+            self._num_ready += 1
             self.num_stored_blocks += 1
             self._sink(BlockStored([entry.block_hash], entry.parent_hash, list(entry.token_ids),
                                    len(entry.token_ids), Tier.HOST))
@@ -200,6 +202,7 @@ class HostBlockPool:
             raise RuntimeError(f"discarding host slot {entry.slot}: not held here, or pinned")
         del self._entries[entry.block_hash]
         self._free_slots.append(entry.slot)
+        self._num_ready -= entry.is_ready
         if entry.is_ready:
             self.num_evicted_blocks += 1
             self._sink(BlockRemoved([entry.block_hash], Tier.HOST))
@@ -212,6 +215,7 @@ class HostBlockPool:
             raise RuntimeError(f"clearing the host pool while slots {pinned[:8]} are pinned by copies in flight")
         self._free_slots = list(range(self.num_blocks - 1, -1, -1))
         self._entries.clear()
+        self._num_ready = 0
         if emit:
             self._sink(AllBlocksCleared(Tier.HOST))
 
@@ -235,6 +239,9 @@ class HostBlockPool:
         slots = [e.slot for e in self._entries.values()]
         free = set(self._free_slots)
         wrong_keys = [h.hex()[:8] for h, e in self._entries.items() if e.block_hash != h]
+        num_ready = sum(1 for e in self._entries.values() if e.is_ready)
+        if num_ready != self._num_ready:
+            raise RuntimeError(f"host pool counts {self._num_ready} ready entries, holds {num_ready}")
         pinned = [e.slot for e in self._entries.values()
                   if e.num_pins < 0 or (at_rest and e.num_pins) or (not e.is_ready and not e.num_pins)]
         if (len(set(slots)) != len(slots) or len(free) != len(self._free_slots) or free & set(slots)
@@ -258,6 +265,7 @@ class HostBlockPool:
         for entry in victims:
             del self._entries[entry.block_hash]
             self._free_slots.append(entry.slot)
+        self._num_ready -= len(victims)  # unpinned entries are ready
         self.num_evicted_blocks += len(victims)
         self._sink(BlockRemoved([e.block_hash for e in victims], Tier.HOST))
         return True

@@ -4,19 +4,10 @@ Every copy between the device cache and the host pool runs on a ``Copier`` (``co
 background thread; ``InlineCopier`` for the synchronous baseline), and the engine thread only
 books what finished. Fences keep it correct:
 
-Offload. The host tier is the BlockPool's ``Offloader``. A free cached block the pool would
-evict is ``NEEDS_COPY`` until its bytes are on the host: ``start_offload`` reserves host slots
-(parents first, so a chain gets consecutive slots and one run copy) and submits one copy job;
-the blocks are ``IN_FLIGHT`` until it lands. The pool never hands out, and so nothing writes, an
-in-flight block; it takes other free blocks first and waits (``wait_for_offload``, counted in
-``num_offload_waits``) only when nothing else is free. When the job lands, the entries are
-committed (``BlockStored(HOST)``, one chain event) and touched tails first, so the host LRU, like
-the device's, evicts a chain's tail before its prefix; the pool's ``BlockRemoved(DEVICE)`` comes
-later, when it evicts the now READY block. A failed copy loses those blocks, nothing else: the
-slots go back unannounced and the blocks are evicted without a copy. ``flush`` (after each
-schedule) starts the copies of the ``num_ahead`` free blocks at the device LRU head, so the next
-step's allocations find them ready instead of waiting; the blocks stay cached on the device
-meanwhile (a copy is a read: a prefix hit may still take them).
+Offload. ``HostOffloader`` (``host_offload.py``) is the BlockPool's ``Offloader``: a cached
+block is copied down before the pool evicts it, never handed out while its copy is in flight,
+and announced ``Stored(HOST)`` once its bytes landed (before the pool's ``Removed(DEVICE)``).
+``flush`` (after each schedule) copies down early what the next allocations will evict.
 
 Reload. At admission, after the device prefix hit, the scheduler asks ``match`` for the host
 entries continuing the chain (pinned, and only when ``LoadCostModel.should_load``), allocates
@@ -37,28 +28,20 @@ Between steps, the host pool's pins are exactly those of the jobs in flight (``c
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.block_pool import BlockPool, EvictionState, KVBlock
+from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.copier import Copier, CopyFn, CopyJob, InlineCopier
 from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.host_offload import HostOffloader, OffloadStats
 from engine.kv_cache.host_pool import HostBlockPool, HostEntry, copy_block_runs
 from engine.kv_cache.load_cost import LoadCostModel
 from engine.kv_cache.lower_stage import LowerTierStager
 from engine.stats import TierCounters
-
-
-@dataclass(slots=True, eq=False)
-class _Offload:
-    """Device blocks being copied to their reserved host entries (same order, parents first)."""
-
-    job: CopyJob
-    blocks: list[KVBlock]
-    entries: list[HostEntry]
 
 
 @dataclass(slots=True, eq=False)
@@ -72,17 +55,6 @@ class HostLoad:
     num_host_run: int  # of ``entries``, those the host held (the rest came from the lower tier)
     num_loaded: int = 0
     is_settled: bool = False
-
-
-@dataclass(slots=True)
-class OffloadStats:
-    """How often the engine thread waited for a copy (the step-loop stalls), and how long."""
-
-    num_offload_waits: int = 0  # allocations that found nothing free but in-flight blocks
-    num_load_waits: int = 0  # loads waited for (a reservation's, or when nothing else could run)
-    wait_s: float = 0.0  # seconds the engine thread spent in those waits
-    num_offload_jobs: int = 0
-    num_load_jobs: int = 0
 
 
 class HostTier:
@@ -100,91 +72,27 @@ class HostTier:
         self.lower = lower
         self.copier: Copier = copier if copier is not None else InlineCopier()
         self.stats = OffloadStats()
-        self.num_ahead = 0  # free blocks at the device LRU head that ``flush`` copies down early
-        self._block_pool: BlockPool | None = None
         self._num_host_run = 0  # host-held blocks in the last ``match`` (the rest came from below)
-        self._offloads: deque[_Offload] = deque()  # in flight, oldest first
-        self._in_flight: dict[int, _Offload] = {}  # device block id -> its offload
-        self._given_up: set[int] = set()  # device block ids whose copy failed or found no slot
         self._loads: deque[HostLoad] = deque()  # not settled yet, oldest first
         self._stream = torch.cuda.Stream(device_cache.device) if device_cache.is_cuda else None  # type: ignore[no-untyped-call]
+        self.offloader = HostOffloader(host_pool, lambda slots, ids: self.copy_to_host(slots, ids),
+                                       self._submit, self._wait, self.counters, self.stats)
 
     def attach(self, block_pool: BlockPool, num_ahead: int = 0) -> None:
-        """Become ``block_pool``'s offloader; ``flush`` keeps ``num_ahead`` head blocks copied."""
-        if num_ahead < 0:
-            raise ValueError(f"num_ahead must be >= 0, got {num_ahead}")
-        self._block_pool, self.num_ahead = block_pool, num_ahead
-        block_pool.set_offloader(self)
-
-    # ---- the block pool's offloader --------------------------------------------------
-
-    def eviction_state(self, block: KVBlock) -> EvictionState:
-        offload = self._in_flight.get(block.block_id)
-        if offload is not None:
-            if not offload.job.is_done:
-                return EvictionState.IN_FLIGHT
-            self._settle_offloads()
-        if block.block_hash is None or block.block_id in self._given_up:
-            return EvictionState.READY
-        if self.host_pool.get(block.block_hash) is not None:
-            return EvictionState.READY
-        return EvictionState.NEEDS_COPY
-
-    def start_offload(self, blocks: list[KVBlock]) -> None:
-        entries: list[HostEntry] = []
-        copied: list[KVBlock] = []
-        for block in _parents_first(blocks):
-            assert block.block_hash is not None
-            entry = self.host_pool.reserve(block.block_hash, block.parent_hash, block.token_ids)
-            if entry is None:  # every host slot pinned: this block is not kept
-                self._given_up.add(block.block_id)
-                continue
-            entries.append(entry)
-            copied.append(block)
-        if not entries:
-            return
-        slots, block_ids = [e.slot for e in entries], [b.block_id for b in copied]
-
-        def copy_down() -> int:
-            try:
-                self.copy_to_host(slots, block_ids)
-            except RuntimeError:  # a failed copy down loses those blocks, nothing else
-                return 0
-            return len(slots)
-
-        offload = _Offload(self._submit(copy_down), copied, entries)
-        self._offloads.append(offload)
-        self._in_flight.update((b.block_id, offload) for b in copied)
-        self.stats.num_offload_jobs += 1
-
-    def wait_for_offload(self) -> None:
-        if not self._offloads:
-            raise RuntimeError("waiting for a copy down, but none is in flight")
-        if self._wait(self._offloads[0].job):
-            self.stats.num_offload_waits += 1
-        self._settle_offloads()
-
-    def on_evict(self, blocks: list[KVBlock]) -> None:
-        """The evicted blocks' host copies become the most recent, tails first."""
-        entries = []
-        for block in _parents_first(blocks):
-            self._given_up.discard(block.block_id)
-            entry = self.host_pool.get(block.block_hash) if block.block_hash is not None else None
-            if entry is not None and entry.is_ready:
-                entries.append(entry)
-        self.host_pool.touch(entries[::-1])
+        """Make the offload half ``block_pool``'s offloader; ``flush`` keeps ``num_ahead`` head
+        blocks copied down ahead of their eviction."""
+        self.offloader.attach(block_pool, num_ahead)
 
     # ---- the engine's calls ------------------------------------------------------------
 
     def flush(self) -> None:
         """After a schedule: start copying down the ``num_ahead`` blocks the next allocations
         would evict, so the copies overlap the forward instead of stalling the next step."""
-        if self._block_pool is not None:
-            self._block_pool.offload_ahead(self.num_ahead)
+        self.offloader.flush()
 
     def poll(self) -> None:
         """Book every job that has finished (Stored(HOST) for landed offloads, settled loads)."""
-        self._settle_offloads()
+        self.offloader.poll()
         self._settle_loads()
 
     def match(self, block_hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None,
@@ -281,13 +189,13 @@ class HostTier:
 
     def drain(self) -> None:
         """Wait for every job in flight and book it."""
-        for job in [o.job for o in self._offloads] + [load.job for load in self._loads]:
+        for job in self.offloader.jobs() + [load.job for load in self._loads]:
             self._wait(job)
         self.poll()
 
     def clear(self, emit: bool) -> None:
         self.drain()
-        self._given_up.clear()
+        self.offloader.clear()
         self.host_pool.clear(emit)
 
     def close(self) -> None:
@@ -300,22 +208,19 @@ class HostTier:
 
     @property
     def has_jobs_in_flight(self) -> bool:
-        return bool(self._offloads or self._loads)
+        return bool(self.offloader.jobs() or self._loads)
 
     def check_integrity(self) -> None:
         """Between steps: the host pool is consistent and its pins are exactly the jobs' in flight."""
         self.host_pool.check_integrity(at_rest=False)
-        expected: Counter[int] = Counter()
-        for offload in self._offloads:
-            expected.update(e.slot for e in offload.entries)
+        self.offloader.check_integrity()
+        expected = self.offloader.pinned_slots()
         for load in self._loads:
             expected.update(e.slot for e in load.entries)
         pins = self.host_pool.pinned_slots()
-        in_flight = {b.block_id for o in self._offloads for b in o.blocks}
-        if pins != dict(expected) or in_flight != set(self._in_flight):
+        if pins != dict(expected):
             raise RuntimeError(f"host tier inconsistent: host pins {dict(sorted(pins.items()))} but jobs in "
-                               f"flight pin {dict(sorted(expected.items()))}; device blocks in flight "
-                               f"{sorted(in_flight)}, marked {sorted(self._in_flight)}")
+                               f"flight pin {dict(sorted(expected.items()))}")
 
     # ---- booking -----------------------------------------------------------------------
 
@@ -342,28 +247,10 @@ class HostTier:
         self.stats.wait_s += time.perf_counter() - start
         return has_blocked
 
-    def _settle_offloads(self) -> None:
-        """Book the landed offloads, oldest first (jobs finish in submission order)."""
-        while self._offloads and self._offloads[0].job.is_done:
-            offload = self._offloads.popleft()
-            for block in offload.blocks:
-                del self._in_flight[block.block_id]
-            if offload.job.error is not None:
-                raise offload.job.error
-            entries = offload.entries
-            if offload.job.result == len(entries):
-                self.host_pool.commit(entries)
-                self.host_pool.touch(entries[::-1])
-                self.counters.num_offloaded_bytes += len(entries) * self.host_pool.block_bytes
-            else:
-                self.host_pool.unpin(entries)
-                for entry in entries:
-                    self.host_pool.discard(entry)
-                self._given_up.update(b.block_id for b in offload.blocks)
-
     def _settle_loads(self) -> None:
         while self._loads and self._loads[0].job.is_done:
             load = self._loads.popleft()
+            self.stats.copy_s += load.job.seconds
             if load.job.error is not None:
                 raise load.job.error
             entries = load.entries
@@ -378,22 +265,6 @@ class HostTier:
             self.host_pool.touch(entries[num_loaded - 1::-1] if num_loaded else [])  # the prefix stays longest
             self.counters.num_loaded_bytes += num_loaded * self.host_pool.block_bytes
             load.num_loaded, load.is_settled = num_loaded, True
-
-
-def _parents_first(blocks: list[KVBlock]) -> list[KVBlock]:
-    """``blocks`` reordered so that a block whose parent is also among them comes after it."""
-    by_hash = {b.block_hash: b for b in blocks}
-    ordered: list[KVBlock] = []
-    placed: set[BlockHash | None] = set()
-    for block in blocks:
-        ancestors: list[KVBlock] = []
-        current: KVBlock | None = block
-        while current is not None and current.block_hash not in placed:
-            ancestors.append(current)
-            placed.add(current.block_hash)
-            current = by_hash.get(current.parent_hash)
-        ordered.extend(reversed(ancestors))
-    return ordered
 
 
 class NoHostTier:
