@@ -79,9 +79,12 @@ class Bench:
                 tokens += output.new_token_ids
         return tokens
 
-    def round(self, mode: str, prompts: dict[str, list[int]]) -> tuple[list[float], list[int]]:
-        """(decoder ITLs in seconds, X's output tokens) of one round on ``mode``'s engine."""
+    def round(self, mode: str, prompts: dict[str, list[int]]) -> tuple[list[float], list[int], Stall]:
+        """(decoder ITLs in seconds, X's output tokens, the engine thread's time in copies while
+        they were measured) of one round on ``mode``'s engine."""
         core, args = self.cores[mode], self.args
+        tier = core.host_tier
+        assert isinstance(tier, HostTier)
         core.reset_prefix_cache()
         self.run_alone(core, prompts["x"], ONE)
         for push in ("push1", "push2", "push3"):
@@ -97,6 +100,7 @@ class Bench:
             for output in core.step():
                 if output.new_token_ids:
                     last[output.request_id] = time.perf_counter()
+        before = dataclasses.replace(tier.stats)
         x_id, y_id = f"x{next(self.ids)}", f"y{next(self.ids)}"
         core.add_request(x_id, prompts["x"][:args.prefix_len] + prompts["x_tail"], FIRST)
         core.add_request(y_id, prompts["y"], ONE)
@@ -118,6 +122,10 @@ class Bench:
                 steps_after = 4
             elif steps_after is not None:
                 steps_after -= 1
+        after = tier.stats
+        engine_s = (after.copy_s - before.copy_s) if mode == "inline" else (after.wait_s - before.wait_s)
+        stall = Stall(engine_s, after.num_offload_waits - before.num_offload_waits,
+                      after.num_load_waits - before.num_load_waits)
         for request_id in [*decoders, x_id, y_id]:
             core.abort_request(request_id)
         for _ in range(100):  # loads of aborted requests land and give their blocks back
@@ -125,7 +133,22 @@ class Bench:
                 break
             core.step()
         core.check_integrity()
-        return itls, x_tokens
+        return itls, x_tokens, stall
+
+
+@dataclasses.dataclass
+class Stall:
+    """The engine thread's time in copies (inline) or in waits for one (background), seconds."""
+
+    seconds: float = 0.0
+    num_offload_waits: int = 0
+    num_load_waits: int = 0
+
+    def __iadd__(self, other: Stall) -> Stall:
+        self.seconds += other.seconds
+        self.num_offload_waits += other.num_offload_waits
+        self.num_load_waits += other.num_load_waits
+        return self
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -150,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench(load_model(args.model), args)
     itls: dict[str, list[float]] = {mode: [] for mode in MODES}
     outputs: dict[str, list[list[int]]] = {mode: [] for mode in MODES}
+    stalls = {mode: Stall() for mode in MODES}
     for _ in range(args.rounds):
         prompts = {"x": bench.tokens(args.prefix_len), "x_tail": bench.tokens(args.tail_len),
                    "push1": bench.tokens(args.prefix_len), "push2": bench.tokens(args.prefix_len),
@@ -157,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                    "y": bench.tokens(args.prefix_len),
                    "decoders": [bench.tokens(args.decoder_prompt_len) for _ in range(args.decoders)]}
         for mode in MODES:  # same prompts, alternating, so drift hits both alike
-            round_itls, x_tokens = bench.round(mode, prompts)
+            round_itls, x_tokens, stall = bench.round(mode, prompts)
             itls[mode] += round_itls
+            stalls[mode] += stall
             outputs[mode].append(x_tokens)
     print(f"{os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after (1 min)")
     print(f"X: {args.prefix_len} host-cached + {args.tail_len} tokens; Y: {args.prefix_len} fresh tokens; "
@@ -169,13 +194,10 @@ def main(argv: list[str] | None = None) -> None:
           "| waits (offload / load) | greedy X equal |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for mode in MODES:
-        tier = bench.cores[mode].host_tier
-        assert isinstance(tier, HostTier)
-        stall = tier.stats.copy_s if mode == "inline" else tier.stats.wait_s
-        p99 = percentile(itls[mode], 0.99)
+        stall, p99 = stalls[mode], percentile(itls[mode], 0.99)
         print(f"| {mode} | {statistics.median(itls[mode]) * 1000:.1f} | {p99 * 1000:.1f} | {p99 / base:.2f}x "
-              f"| {max(itls[mode]) * 1000:.1f} | {stall * 1000:.1f} | {tier.stats.num_offload_waits} / "
-              f"{tier.stats.num_load_waits} | {'yes' if outputs[mode] == outputs['inline'] else 'NO'} |")
+              f"| {max(itls[mode]) * 1000:.1f} | {stall.seconds * 1000:.1f} | {stall.num_offload_waits} / "
+              f"{stall.num_load_waits} | {'yes' if outputs[mode] == outputs['inline'] else 'NO'} |")
     for core in bench.cores.values():
         core.close()
 
