@@ -5,7 +5,7 @@
     pdserve serve ray --config app.yaml  (the Ray Serve application: services/ray/)
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
     pdserve health HOST:PORT | http://HOST:PORT/health  (exit 0 when SERVING / 200)
-    pdserve bench engine|kernels|serve|spec|kv|disagg|routing|prefix|soak [...]  (loadtests/bench_*.py)
+    pdserve bench engine|kernels|serve|spec|kv|disagg|routing|prefix|offload|soak [...]  (loadtests/bench_*.py)
     pdserve bench load|compare [...]  (loadtests/load/: scenarios, goodput at SLO, plots)
 
 Every flag can also come from a ``PDSERVE_*`` environment variable (see services.common.settings).
@@ -34,6 +34,7 @@ COMMANDS = {
     ("bench", "load"): "loadtests.load.bench_load",
     ("bench", "compare"): "loadtests.load.bench_compare",
     ("bench", "routing"): "loadtests.bench_routing",
+    ("bench", "offload"): "loadtests.bench_offload",
     ("bench", "prefix"): "loadtests.bench_prefix",
     ("bench", "soak"): "loadtests.soak",
 }
