@@ -9,8 +9,10 @@ prompt whose first ``--cached-len`` tokens are cached
 - on device: the same engine ran a prompt with that prefix just before;
 - on host: that prompt was then pushed off the device by two others (host tier large enough);
 - in the kvstore: the same, with two more prompts pushing it off a host tier of one prompt's
-  blocks, on to a real ``pdserve serve kvstore`` process (started here, gRPC, loopback) through
-  the worker's ``KVStoreTier`` (loaded back through host slots);
+  blocks, on to a real ``pdserve serve kvstore --transfer nixl`` process (started here, loopback)
+  through the worker's ``KVStoreTier`` (loaded back through host slots), twice: one engine whose
+  tier loads over NIXL (PrepareRead, a one-sided READ into its staging region, Release), one
+  whose tier loads over gRPC ``Get``; the row says which transport moved the bytes;
 - not at all: a fresh prefix (the miss, the baseline of every ratio).
 
 Each case uses its own random prefix and a fresh engine state, and its greedy output is compared
@@ -45,6 +47,8 @@ CPU_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnn
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 FILLER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 CHAT_SYSTEM_LEN, CHAT_USER_LEN, CHAT_ANSWER_LEN = 200, 60, 40  # tokens
+KVSTORE_TRANSFERS = ("auto", "grpc")  # auto: NIXL when an agent starts in this process
+CASES = ("none", "device", "host", "kvstore:auto", "kvstore:grpc")
 
 
 def run(core: EngineCore, prompt: list[int], params: SamplingParams, request_id: str) -> tuple[float, list[int], int]:
@@ -74,13 +78,17 @@ class Bench:
         self.device = self.engine(max(num_prompt_blocks, cdiv(chat_len, args.block_size)) + 16, 0.0)
         host_gib = (3 * num_prompt_blocks) * block_bytes / 2**30
         self.host = self.engine(num_prompt_blocks + 16, host_gib)
-        self.kvstore_tier = KVStoreTier(KVStoreTierConfig(kvstore_address, lookup_budget_s=args.lookup_ms / 1000,
-                                                          load_budget_s=30.0, max_queued_blocks=4096))
-        # A host tier that holds one prompt's blocks (the kvstore's continuation is staged there).
-        self.kvstore = self.engine(num_prompt_blocks + 16, (num_prompt_blocks + 8) * block_bytes / 2**30,
-                                   self.kvstore_tier)
-        self.kvstore_tier.start(KVCompat.from_kv_cache(loaded.config.name, self.kvstore.kv_cache))
-        for core in (self.device, self.host, self.kvstore):  # first-forward costs out of the numbers
+        self.tiers: dict[str, KVStoreTier] = {}
+        self.kvstore: dict[str, EngineCore] = {}
+        for transfer in KVSTORE_TRANSFERS:
+            tier = KVStoreTier(KVStoreTierConfig(kvstore_address, lookup_budget_s=args.lookup_ms / 1000,
+                                                 load_budget_s=30.0, max_queued_blocks=4096,
+                                                 transfer=transfer, staging_blocks=num_prompt_blocks))
+            # A host tier that holds one prompt's blocks (the kvstore's continuation is staged there).
+            core = self.engine(num_prompt_blocks + 16, (num_prompt_blocks + 8) * block_bytes / 2**30, tier)
+            tier.start(KVCompat.from_kv_cache(loaded.config.name, core.kv_cache))
+            self.tiers[transfer], self.kvstore[transfer] = tier, core
+        for core in (self.device, self.host, *self.kvstore.values()):  # first-forward costs out of the numbers
             self._run(core, self.tokens(2 * args.block_size))
             core.reset_prefix_cache()
 
@@ -108,26 +116,29 @@ class Bench:
         for _ in range(num_prompts):
             self._run(core, self.tokens(self.args.prompt_len), FILLER)
 
-    def case(self, tier: str) -> tuple[float, int, bool]:
-        """(TTFT s, cached tokens, greedy-equal) of one measured prompt cached on ``tier``."""
+    def case(self, case: str) -> tuple[float, int, bool]:
+        """(TTFT s, cached tokens, greedy-equal) of one measured prompt cached as ``case`` says
+        (one of CASES: a tier, and for the kvstore the tier's transfer setting)."""
         warm, prompt = self.prompts()
-        core = {"device": self.device, "host": self.host, "kvstore": self.kvstore, "none": self.device}[tier]
+        tier, _, transfer = case.partition(":")
+        core = {"device": self.device, "host": self.host, "none": self.device}.get(tier) \
+            or self.kvstore[transfer]
         if tier != "none":
             self._run(core, warm)
         if tier in ("host", "kvstore"):
             self.push_out(core, 2 if tier == "host" else 4)
         if tier == "kvstore":
-            self.wait_in_kvstore(prompt)
+            self.wait_in_kvstore(self.tiers[transfer], prompt)
         ttft, tokens, num_cached = self._run(core, prompt)
         self.device.reset_prefix_cache()
         _, expected, _ = self._run(self.device, prompt)  # recomputed from scratch
         self.device.reset_prefix_cache()
         return ttft, num_cached, tokens == expected
 
-    def wait_in_kvstore(self, prompt: list[int], timeout_s: float = 120.0) -> None:
+    def wait_in_kvstore(self, tier: KVStoreTier, prompt: list[int], timeout_s: float = 120.0) -> None:
         hashes = hash_request_blocks(prompt[:self.args.cached_len], self.args.block_size)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.kvstore_tier.match(hashes) < len(hashes):
+        while time.monotonic() < deadline and tier.match(hashes) < len(hashes):
             time.sleep(0.05)
 
     def chat(self, num_turns: int, user_len: int, answer_len: int) -> list[tuple[int, int]]:
@@ -147,7 +158,7 @@ class Bench:
 def start_kvstore(port: int, gib: float) -> subprocess.Popen[str]:
     """``pdserve serve kvstore`` on loopback; returns once it printed its listening line."""
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "kvstore", "--port", str(port),
-                             "--transfer", "grpc", "--kvstore-gib", str(gib)],
+                             "--transfer", "nixl", "--kvstore-gib", str(gib)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for _ in range(50):  # its first lines are at most a warning and the listening line
@@ -188,10 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     store = start_kvstore(args.kvstore_port, 1.0)
     try:
         bench = Bench(load_model(args.model), args, f"127.0.0.1:{args.kvstore_port}")
-        cases = {tier: best_of(args.rounds, lambda t=tier: bench.case(t))
-                 for tier in ("none", "device", "host", "kvstore")}
+        cases = {case: best_of(args.rounds, lambda c=case: bench.case(c)) for case in CASES}
         turns = bench.chat(args.chat_turns, user_len=CHAT_USER_LEN, answer_len=CHAT_ANSWER_LEN)
-        bench.kvstore_tier.close()
+        moved = {transfer: (tier.counters.num_nixl_loaded_bytes, tier.counters.num_grpc_loaded_bytes)
+                 for transfer, tier in bench.tiers.items()}
+        for tier in bench.tiers.values():
+            tier.close()
     finally:
         store.terminate()
         store.wait(10)
@@ -202,7 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     miss = cases["none"][0]
     print("| cached on | TTFT (ms) | miss / this | cached tokens | greedy-equal |")
     print("|---|---:|---:|---:|---|")
-    for tier, (ttft, num_cached, equal) in cases.items():
+    for case, (ttft, num_cached, equal) in cases.items():
+        tier, _, transfer = case.partition(":")
+        if transfer:  # name the transport by the bytes it moved, not by the setting
+            nixl_bytes, grpc_bytes = moved[transfer]
+            tier = (f"kvstore over NIXL ({nixl_bytes / 2**20:.0f} MiB read)" if nixl_bytes and not grpc_bytes else
+                    f"kvstore over gRPC ({grpc_bytes / 2**20:.0f} MiB read)" if grpc_bytes and not nixl_bytes else
+                    f"kvstore ({transfer}: NIXL {nixl_bytes} B, gRPC {grpc_bytes} B)")
         print(f"| {tier} | {ttft * 1000:.1f} | {miss / ttft:.1f}x | {num_cached} | {'yes' if equal else 'NO'} |")
     print("\n| turn | prompt tokens | from cache | share |")
     print("|---:|---:|---:|---:|")

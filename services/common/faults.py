@@ -15,6 +15,8 @@ Entries (comma-separated; each at most once):
 ``kill:prefill:before_first_token=N``  a prefill worker SIGKILLs itself at its N-th request,
                                        just before sending the first token
 ``redis:stall_ms=N``                   every prefix-index Redis call waits N ms first
+``kill:kvstore:at_release=N``          the kvstore SIGKILLs itself when its N-th Release arrives
+                                       (a worker's NIXL READ ran, its lease is still held)
 ``seed=N``                             the random draws of drop / corrupt (default 0)
 =====================================  ==========================================================
 
@@ -42,6 +44,7 @@ class FaultPlan:
     kill_decode_after_tokens: int = 0  # 0: never
     kill_prefill_before_first_token: int = 0  # 0: never; N: at the N-th prefill request
     redis_stall_ms: float = 0.0
+    kill_kvstore_at_release: int = 0  # 0: never; N: at the N-th Release
     seed: int = 0
 
     @property
@@ -56,6 +59,7 @@ _FIELDS = {  # entry key -> (field, parse)
     "kill:decode:after_tokens": ("kill_decode_after_tokens", "count"),
     "kill:prefill:before_first_token": ("kill_prefill_before_first_token", "count"),
     "redis:stall_ms": ("redis_stall_ms", "ms"),
+    "kill:kvstore:at_release": ("kill_kvstore_at_release", "count"),
     "seed": ("seed", "int"),
 }
 
@@ -99,6 +103,7 @@ class Faults:
         self.plan = plan
         self._rng = random.Random(plan.seed)
         self._num_prefills = 0
+        self._num_releases = 0
 
     def kv_send_dropped(self) -> bool:
         """Before a KV send: True if this one must fail unsent; sleeps the configured delay."""
@@ -124,6 +129,13 @@ class Faults:
         if self.plan.kill_prefill_before_first_token:
             self._num_prefills += 1
             if self._num_prefills >= self.plan.kill_prefill_before_first_token:
+                _kill_self()
+
+    def at_kvstore_release(self) -> None:
+        """The kvstore received a Release (before it releases the lease)."""
+        if self.plan.kill_kvstore_at_release:
+            self._num_releases += 1
+            if self._num_releases >= self.plan.kill_kvstore_at_release:
                 _kill_self()
 
     def redis_stall(self) -> None:

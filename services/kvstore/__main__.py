@@ -102,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--kvstore-gib must be > 0, got {args.kvstore_gib}")
     if not 0 < args.default_lease_ms <= args.max_lease_ms:
         parser.error("need 0 < --default-lease-ms <= --max-lease-ms")
+    from services.common.faults import faults
+    try:
+        faults()  # PDSERVE_FAULTS, parsed once here: a bad spec fails at start
+    except ValueError as exc:
+        parser.error(str(exc))
     asyncio.run(serve(args))
 
 

@@ -148,44 +148,79 @@ class KVStoreClient:
             self._failed("Get", error)
         return filled
 
+    async def serves_nixl(self) -> bool | None:
+        """Whether the store serves NIXL reads (its handshake carries agent metadata); None
+        when it is unreachable."""
+        store = await self.handshake()
+        return None if store is None else bool(store.agent_metadata)
+
     async def read_into(self, reader: NixlBlockReader, hashes: Sequence[BlockHash],
-                        dst_block_ids: Sequence[int]) -> int:
+                        dst_block_ids: Sequence[int], deadline: float | None = None) -> int:
         """NIXL READ of the blocks into the reader's registered cache at ``dst_block_ids``;
         returns len(hashes) when every byte landed under a live lease, else 0 (the blocks'
-        contents are then undefined). The caller owns ``dst_block_ids`` throughout."""
+        contents are then undefined). The caller owns ``dst_block_ids`` throughout.
+
+        ``deadline`` (``time.monotonic()`` seconds; default ``timeout_s`` from now) bounds the
+        whole call, like the lease does. The lease is released whatever happens, cancellation
+        included. A READ still in progress at the deadline is abandoned
+        (``reader.num_abandoned`` counts it): UCX may still write its destination blocks later,
+        so the caller must never hand those blocks to anyone else."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         store = await self.handshake()
-        if store is None or not hashes or len(hashes) != len(dst_block_ids):
+        if store is None or not hashes or len(hashes) != len(dst_block_ids) or time.monotonic() >= deadline:
             return 0
         try:
             name = reader.connect(store)
             lease = await self._stub.PrepareRead(kvstore_pb2.KVStoreReadRequest(
                 compat_hash=self.compat.hash, hashes=list(hashes), lease_ms=self.lease_ms),
-                timeout=self.timeout_s)
+                timeout=max(0.001, deadline - time.monotonic()))
         except (grpc.aio.AioRpcError, KVTransferError) as error:
             self._failed("PrepareRead", error)
             return 0
         state = TransferState.FAILED
         try:
+            state = await self._read(reader, name, lease, dst_block_ids,
+                                     min(deadline, time.monotonic() + lease.expires_in_ms / 1000))
+        finally:  # also on cancellation: the lease goes back at once, not when it expires
+            released = await self._release(lease.lease_id)
+        if state is not TransferState.DONE or not released:  # expired: may be stale
+            return 0
+        return len(hashes)
+
+    async def _read(self, reader: NixlBlockReader, name: str, lease: kvstore_pb2.KVStorePrepareReadReply,
+                    dst_block_ids: Sequence[int], deadline: float) -> TransferState:
+        """Post the READ of ``lease``'s slots and poll it until DONE, FAILED or ``deadline``
+        (then, or on cancellation, the READ is abandoned)."""
+        if time.monotonic() >= deadline:
+            return TransferState.FAILED
+        try:
             xfer = reader.start_read(name, lease.slot_ids, dst_block_ids)
-            deadline = time.monotonic() + min(self.timeout_s, lease.expires_in_ms / 1000)
+        except KVTransferError as error:
+            self._failed("NIXL READ", error)
+            return TransferState.FAILED
+        state = TransferState.IN_PROGRESS
+        try:
             state = reader.poll(xfer)
             while state is TransferState.IN_PROGRESS and time.monotonic() < deadline:
                 await asyncio.sleep(0.0005)
                 state = reader.poll(xfer)
+            if state is TransferState.FAILED:
+                self._failed("NIXL READ", KVTransferError("the transfer failed (the store died?)"))
+        finally:
             if state is TransferState.IN_PROGRESS:
                 reader.abandon(xfer)
                 self._failed("NIXL READ", TimeoutError("no completion before the deadline"))
-        except KVTransferError as error:
-            self._failed("NIXL READ", error)
+        return state
+
+    async def _release(self, lease_id: int) -> bool:
+        """Release a read lease; False when the store did not hold it (expired) or is gone."""
         try:
-            released = await self._stub.Release(kvstore_pb2.KVStoreReleaseRequest(
-                lease_id=lease.lease_id), timeout=self.timeout_s)
+            reply = await self._stub.Release(kvstore_pb2.KVStoreReleaseRequest(lease_id=lease_id),
+                                             timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
             self._failed("Release", error)
-            return 0
-        if state is not TransferState.DONE or not released.released:  # expired: may be stale
-            return 0
-        return len(hashes)
+            return False
+        return bool(reply.released)
 
     def _failed(self, what: str, error: Exception) -> None:
         self.num_failures += 1

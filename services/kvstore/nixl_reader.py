@@ -30,6 +30,7 @@ class NixlBlockReader:
         self._local = self._agent.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", self._agent.block_descs(self.region), self.region.mem_type)
         self._remotes: dict[str, Any] = {}  # store agent name -> prepped dlist of its slots
+        self.num_abandoned = 0  # READs given up while in progress: their blocks may still change
 
     @property
     def agent_name(self) -> str:
@@ -86,7 +87,10 @@ class NixlBlockReader:
         return TransferState.DONE if state == "DONE" else TransferState.FAILED
 
     def abandon(self, xfer: Any) -> None:
-        """Give up on a READ still in progress (its destination blocks are then undefined)."""
+        """Give up on a READ still in progress. Its destination blocks are then undefined, and
+        may still be written by UCX after this returns (releasing the handle is a request to
+        cancel, not a guarantee): counted in ``num_abandoned``."""
+        self.num_abandoned += 1
         with contextlib.suppress(Exception):
             xfer.release()
 

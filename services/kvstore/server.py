@@ -16,6 +16,7 @@ import grpc
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KV_WIRE_VERSION, KVHandshake, KVRegion
+from services.common.faults import faults
 from services.common.pb import kv_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.kvstore.index_publisher import KVStoreIndexPublisher
@@ -171,6 +172,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def Release(self, request: kvstore_pb2.KVStoreReleaseRequest,
                       context: grpc.aio.ServicerContext) -> kvstore_pb2.KVStoreReleaseReply:
+        faults().at_kvstore_release()  # PDSERVE_FAULTS only
         self._nixl_leases.discard(request.lease_id)
         return kvstore_pb2.KVStoreReleaseReply(released=self.store.release(request.lease_id))
 

@@ -9,9 +9,15 @@
 The engine calls ``offer``/``match``/``load`` synchronously on its thread, inside a step. The
 ``KVStoreClient`` (grpc.aio) runs on a dedicated event-loop thread owned by this object; the
 engine thread waits for it with short budgets: ``match`` a few milliseconds (no answer in time is
-a miss), ``load`` a bounded time (a short count; the engine recomputes the rest). ``load`` has the
-client fill a private staging buffer and copies it into the engine's host slots on the engine
-thread, so a load that ran out of time can never write a slot after the engine took it back.
+a miss), ``load`` at most ``load_budget_s`` (a load not finished by then loads nothing more; the
+engine recomputes the rest).
+
+``load`` moves the bytes over NIXL when both sides can (``transfer`` nixl or auto, and the store
+runs with NIXL): PrepareRead (a lease), a one-sided READ into a registered staging region owned
+by this tier, Release (``kvstore_nixl.py``). Otherwise, over gRPC ``Get`` into a private staging
+buffer. Either way the engine thread itself copies the landed blocks into its host slots, after
+the transfer finished, so a transfer that ran out of time can never write a slot after the
+engine took it back (``kvstore_nixl.py`` says why the READ does not target the slots directly).
 ``offer`` copies the blocks' bytes and queues them for the loop (at most ``max_queued_blocks``
 in flight; beyond that the blocks are dropped and counted): it never blocks the step.
 
@@ -25,6 +31,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,11 +41,13 @@ import torch
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.host_pool import copy_block_runs
 from engine.kv_cache.lower_tier import EvictedBlock
-from engine.kv_transfer.base import KVCompat
+from engine.kv_transfer.base import KVCompat, KVTransferError
 from services.kvstore.client import KVStoreClient
+from services.worker.kvstore_nixl import NixlLoader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+TRANSFERS = ("nixl", "grpc", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +59,11 @@ class KVStoreTierConfig:
     load_budget_s: float = 1.0  # a load not finished by then loads nothing
     rpc_timeout_s: float = 5.0  # deadline of the background puts
     max_queued_blocks: int = 256  # offered blocks waiting to be put; more are dropped
+    # How ``load`` moves bytes: nixl (a NIXL agent is required: ``start`` raises without one),
+    # auto (NIXL when the agent can be made here, gRPC otherwise), grpc (``Get`` only). With
+    # nixl or auto, a store that serves no NIXL is read with ``Get``.
+    transfer: str = "grpc"
+    staging_blocks: int = 128  # the NIXL staging region, in blocks; a longer load goes in chunks
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -59,6 +73,10 @@ class KVStoreTierConfig:
                              f"load {self.load_budget_s}, rpc {self.rpc_timeout_s}")
         if self.max_queued_blocks < 1:
             raise ValueError(f"max_queued_blocks must be >= 1, got {self.max_queued_blocks}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"kvstore transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
+        if self.staging_blocks < 1:
+            raise ValueError(f"staging_blocks must be >= 1, got {self.staging_blocks}")
 
 
 @dataclass(slots=True)
@@ -70,6 +88,12 @@ class KVStoreTierCounters:
     num_offered_blocks: int = 0
     num_dropped_blocks: int = 0  # offered while the queue was full, or before ``start``
     num_put_blocks: int = 0  # the store took them
+    # Loads by the transport that moved the bytes (blocks and bytes that landed in host slots)
+    num_nixl_loaded_blocks: int = 0
+    num_nixl_loaded_bytes: int = 0
+    num_grpc_loaded_blocks: int = 0
+    num_grpc_loaded_bytes: int = 0
+    num_abandoned_reads: int = 0  # NIXL READs still in progress at the deadline
 
 
 class KVStoreTier:
@@ -81,33 +105,61 @@ class KVStoreTier:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-tier", daemon=True)
         self._client: KVStoreClient | None = None
+        self._nixl: NixlLoader | None = None  # made on the loop thread by ``start``
         self._lock = threading.Lock()
         self._num_queued = 0
 
+    @property
+    def transport(self) -> str:
+        """How loads move bytes now: "nixl" (when the store serves it) or "grpc"."""
+        return "nixl" if self._nixl is not None and self._nixl.staging is not None else "grpc"
+
     def start(self, compat: KVCompat) -> None:
         """Start the loop thread and the client for this engine's KV ``compat`` (the store
-        needs it to name blocks); until then every call is a miss or a drop."""
+        needs it to name blocks), and the NIXL agent with ``transfer`` nixl or auto; until then
+        every call is a miss or a drop. KVTransferError with ``transfer="nixl"`` and no agent."""
         if self._client is not None:
             raise RuntimeError("KVStoreTier.start called twice")
         self._thread.start()
 
         async def connect() -> KVStoreClient:
+            if self.config.transfer != "grpc":
+                try:
+                    self._nixl = NixlLoader(compat, self.config.staging_blocks, self._loop)
+                except KVTransferError as error:
+                    if self.config.transfer == "nixl":
+                        raise
+                    log.warning("kvstore tier: NIXL unavailable (%s); loading over gRPC", error)
             client = KVStoreClient(self.config.address, compat, timeout_s=self.config.rpc_timeout_s)
             asyncio.ensure_future(client.handshake())  # early, so the first lookup is not a miss
             return client
-        self._client = asyncio.run_coroutine_threadsafe(connect(), self._loop).result(timeout=10)
+        try:
+            self._client = asyncio.run_coroutine_threadsafe(connect(), self._loop).result(timeout=30)
+        except BaseException:
+            self.close()
+            raise
+        log.info("kvstore tier: %s, loads over %s", self.config.address, self.transport)
 
     def close(self) -> None:
-        """Close the client and stop the loop thread (queued puts are dropped)."""
-        if self._client is not None and self._thread.is_alive():
-            try:
-                self._run(self._client.close(), timeout_s=2.0)
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                log.warning("kvstore client did not close within 2 s")
+        """Close the client and the NIXL agent, and stop the loop thread (queued puts are dropped)."""
         if self._thread.is_alive():
+            if self._client is not None:
+                try:
+                    self._run(self._client.close(), timeout_s=2.0)
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    log.warning("kvstore client did not close within 2 s")
+            if self._nixl is not None:
+                nixl = self._nixl
+
+                async def close_nixl() -> None:
+                    nixl.close()
+                try:
+                    self._run(close_nixl(), timeout_s=2.0)
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    log.warning("kvstore tier NIXL agent did not close within 2 s")
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and not self._loop.is_closed():
             self._loop.close()
 
     # ---- LowerTier -------------------------------------------------------------------
@@ -142,14 +194,34 @@ class KVStoreTier:
             return 0
 
     def load(self, block_hashes: Sequence[BlockHash], dst: torch.Tensor, dst_slots: Sequence[int]) -> int:
-        """Fetch the leading ``len(dst_slots)`` blocks into ``dst[dst_slots[i]]``; how many landed."""
+        """Land the leading ``len(dst_slots)`` blocks in ``dst[dst_slots[i]]`` within
+        ``load_budget_s``, over NIXL when it can serve the load, else gRPC; how many landed."""
         n = len(dst_slots)
-        if self._client is None or n == 0:
+        client = self._client
+        if client is None or n == 0:
             return 0
-        staging = torch.empty((n, *dst.shape[1:]), dtype=dst.dtype)
+        deadline = time.monotonic() + self.config.load_budget_s
+        hashes = list(block_hashes[:n])
+        if self._nixl is not None:
+            landed = self._nixl.load(client, hashes, dst, dst_slots, deadline)
+            self.counters.num_abandoned_reads = self._nixl.num_abandoned_reads
+            if landed is not None:
+                num_landed, timed_out = landed
+                self.counters.num_load_timeouts += int(timed_out)
+                self.counters.num_nixl_loaded_blocks += num_landed
+                self.counters.num_nixl_loaded_bytes += num_landed * client.block_bytes
+                return num_landed
+        num_landed = self._load_grpc(client, hashes, dst, dst_slots, deadline)
+        self.counters.num_grpc_loaded_blocks += num_landed
+        self.counters.num_grpc_loaded_bytes += num_landed * client.block_bytes
+        return num_landed
+
+    def _load_grpc(self, client: KVStoreClient, hashes: list[BlockHash], dst: torch.Tensor,
+                   dst_slots: Sequence[int], deadline: float) -> int:
+        """``Get`` into a private staging buffer, copied into ``dst`` on this (the engine) thread."""
+        staging = torch.empty((len(hashes), *dst.shape[1:]), dtype=dst.dtype)
         try:
-            num_filled = self._run(self._client.get_into(list(block_hashes[:n]), list(staging)),
-                                   self.config.load_budget_s)
+            num_filled = self._run(client.get_into(hashes, list(staging)), max(0.0, deadline - time.monotonic()))
         except (TimeoutError, concurrent.futures.TimeoutError):
             self.counters.num_load_timeouts += 1
             return 0

@@ -114,11 +114,16 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
 
 def kvstore_tier_from(args: argparse.Namespace) -> KVStoreTier | None:
     """The kvstore tier ``--kvstore-address`` names, not started; None without one.
+    ``--kvstore-transfer auto`` follows ``--transfer`` (grpc there: gRPC loads only).
     Raises ValueError for a bad budget."""
     address = getattr(args, "kvstore_address", "")
     if not address:
         return None
-    return KVStoreTier(KVStoreTierConfig(address, lookup_budget_s=args.kvstore_lookup_ms / 1000))
+    transfer = getattr(args, "kvstore_transfer", "auto")
+    if transfer == "auto" and getattr(args, "transfer", "nixl") == "grpc":
+        transfer = "grpc"
+    return KVStoreTier(KVStoreTierConfig(address, lookup_budget_s=args.kvstore_lookup_ms / 1000,
+                                         transfer=transfer))
 
 
 async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
@@ -141,7 +146,8 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
                                     runtime.engine_args, transfer_methods(args.transfer),
                                     handler.transfer_counters,
                                     KVCompat.from_kv_cache(runtime.model_name, engine.kv_cache),
-                                    handler.prefix_counters)
+                                    handler.prefix_counters,
+                                    runtime.kvstore.counters if runtime.kvstore is not None else None)
         server = await start_grpc_server(
             [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
             port=args.port, host=args.host,

@@ -18,6 +18,7 @@ from services.index.settings import add_publisher_arguments
 from services.worker.admission import add_admission_argument
 
 TRANSFERS = ("nixl", "grpc")
+KVSTORE_TRANSFERS = ("nixl", "grpc", "auto")  # services/worker/kvstore_tier.py TRANSFERS
 
 
 def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
@@ -42,6 +43,10 @@ def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
              "host tier, --cpu-offload-gb > 0)")
     add(parser, "--kvstore-lookup-ms", type=float, default=5.0,
         help="a kvstore lookup not answered within this many ms is a miss")
+    add(parser, "--kvstore-transfer", choices=KVSTORE_TRANSFERS, default="auto",
+        help="how blocks are loaded from the kvstore: nixl (one-sided READs; fails at start "
+             "without NIXL), auto (as --transfer: nixl when that is nixl and NIXL starts here, "
+             "else grpc) or grpc (Get); a kvstore without NIXL is always read with Get")
     add_publisher_arguments(parser)
     add_internal_auth_arguments(parser)
     add_engine_arguments(parser)

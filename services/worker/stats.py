@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -18,6 +19,9 @@ from engine.stats import EngineStats
 from services.common.engine_flags import engine_argv
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import compat_to_proto, tier_stats_to_proto
+
+if TYPE_CHECKING:  # the router serves GetStats too, and imports no torch
+    from services.worker.kvstore_tier import KVStoreTierCounters
 
 
 @dataclass
@@ -64,8 +68,10 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
                  engine_args: EngineArgs, transfer_methods: Sequence[int] = (),
                  transfer_counters: TransferCounters | None = None,
                  kv_compat: KVCompat | None = None,
-                 prefix_counters: PrefixCounters | None = None) -> None:
+                 prefix_counters: PrefixCounters | None = None,
+                 kvstore_counters: KVStoreTierCounters | None = None) -> None:
         self.read_stats = read_stats
+        self.kvstore_counters = kvstore_counters  # the KVSTORE tier's bytes by transport
         self.kv_compat = compat_to_proto(kv_compat) if kv_compat is not None else None
         self.prefix_counters = prefix_counters or PrefixCounters()
         self.transfer_counters = transfer_counters or TransferCounters()
@@ -80,6 +86,11 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             stats = await self.read_stats()
         except RuntimeError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"GetStats: {error}")
+        tiers = tier_stats_to_proto(stats.tiers)
+        for tier in tiers:
+            if tier.tier == worker_pb2.CACHE_TIER_KVSTORE and self.kvstore_counters is not None:
+                tier.num_loaded_bytes_nixl = self.kvstore_counters.num_nixl_loaded_bytes
+                tier.num_loaded_bytes_grpc = self.kvstore_counters.num_grpc_loaded_bytes
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id, role=self.role,
             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
@@ -88,4 +99,4 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_outstanding_prefill_tokens=stats.num_outstanding_prefill_tokens,
             transfer_methods=self.transfer_methods, engine_argv=self.engine_argv,
             kv_transfer=self.transfer_counters.to_proto(), kv_compat=self.kv_compat,
-            prefix_cache=self.prefix_counters.to_proto(), tiers=tier_stats_to_proto(stats.tiers))
+            prefix_cache=self.prefix_counters.to_proto(), tiers=tiers)

@@ -119,11 +119,12 @@ def start_worker(role: str, log_dir: Path, *args: str, transfer: str = "nixl",
 
 
 def start_kvstore(log_dir: Path, *args: str, transfer: str = "nixl",
-                  port: int | None = None) -> WorkerProcess:
-    """``pdserve serve kvstore`` on a free (or the given) port; ``wait_serving`` it next."""
+                  port: int | None = None, env: dict[str, str] | None = None) -> WorkerProcess:
+    """``pdserve serve kvstore`` on a free (or the given) port; ``wait_serving`` it next.
+    ``env``: extra environment variables (e.g. PDSERVE_FAULTS) for this process only."""
     port = port or free_port()
     log_path = log_dir / f"kvstore-{port}.log"
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO), **(env or {})}
     argv = [sys.executable, "-m", "services.cli", "serve", "kvstore", "--port", str(port),
             "--transfer", transfer, "--drain-grace-s", "2", *args]
     with open(log_path, "ab") as log:

@@ -1,8 +1,11 @@
-"""The kvstore tier through real processes: ``pdserve serve kvstore`` + one prefill and one decode
-worker started with ``--kvstore-address``, tiny pools (4 device blocks of 8 tokens, a host tier of
-3 blocks), so that a prefix is pushed out of a worker's device and host tiers into the kvstore.
-Running it again loads it back from the kvstore (seen in ``WorkerStats.tiers``, not in logs) and
-greedy output is token for token the cold run's."""
+"""The kvstore tier through real processes: ``pdserve serve kvstore --transfer nixl`` + one prefill
+and one decode worker started with ``--kvstore-address``, tiny pools (4 device blocks of 8 tokens,
+a host tier of 3 blocks), so that a prefix is pushed out of a worker's device and host tiers into
+the kvstore. Running it again loads it back from the kvstore (seen in ``WorkerStats.tiers``, not
+in logs) and greedy output is token for token the cold run's. The prefill worker loads over NIXL
+(``--kvstore-transfer nixl``), the decode worker over gRPC Get (``--kvstore-transfer grpc``): the
+KVSTORE tier's loaded bytes are all NIXL on one and all gRPC on the other (where NIXL cannot
+load, both use gRPC)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from tests.integration.cluster_fixtures import (
     wait_all_blocks_free,
     wait_serving,
 )
+from tests.integration.test_kv_transfer import nixl_import_error
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +48,13 @@ def tier(worker: WorkerProcess, which: int) -> worker_pb2.TierStats:
 
 
 def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(tmp_path):
-    store = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="grpc")
+    has_nixl = nixl_import_error() is None  # without NIXL, both load over gRPC
+    store = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="nixl" if has_nixl else "grpc")
     common = ["--kvstore-address", store.address, "--kvstore-lookup-ms", "500", "--block-size", str(BS),
               "--num-kv-blocks", "4", "--cpu-offload-gb", repr(3 * BLOCK_BYTES / 2**30)]
-    prefill = start_worker("prefill", tmp_path, *common, transfer="grpc")
-    decode = start_worker("decode", tmp_path, *common, transfer="grpc")
+    prefill = start_worker("prefill", tmp_path, *common, "--kvstore-transfer", "nixl" if has_nixl else "grpc",
+                           transfer="grpc")
+    decode = start_worker("decode", tmp_path, *common, "--kvstore-transfer", "grpc", transfer="grpc")
 
     async def run(name: str) -> list[int]:
         backend = DisaggregatedBackend([prefill.address], [decode.address], "grpc", poll_interval_s=0.2)
@@ -77,6 +83,9 @@ def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(tmp_p
         loaded = [a.num_loaded_bytes - b.num_loaded_bytes for a, b in zip(after, before)]
         assert hits[0] == 3, f"prefill kvstore tier {after[0]}"  # A's 3 full blocks, from the store
         assert loaded == [h * BLOCK_BYTES for h in hits]
+        by_transport = [(a.num_loaded_bytes_nixl - b.num_loaded_bytes_nixl,
+                         a.num_loaded_bytes_grpc - b.num_loaded_bytes_grpc) for a, b in zip(after, before)]
+        assert by_transport == [(loaded[0], 0) if has_nixl else (0, loaded[0]), (0, loaded[1])], by_transport
         assert all(a.num_offloaded_bytes > 0 for a in after)
         seen = wait_all_blocks_free([prefill, decode], timeout_s=5)
         assert all(free == total for free, total in seen.values()), f"blocks in use: {seen}"

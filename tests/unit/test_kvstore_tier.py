@@ -29,6 +29,8 @@ def closed_port() -> int:
     ({"address": ""}, "address is empty"),
     ({"address": "127.0.0.1:1", "lookup_budget_s": 0}, "budgets must be > 0"),
     ({"address": "127.0.0.1:1", "max_queued_blocks": 0}, "max_queued_blocks"),
+    ({"address": "127.0.0.1:1", "transfer": "rdma"}, "one of nixl, grpc, auto, got 'rdma'"),
+    ({"address": "127.0.0.1:1", "staging_blocks": 0}, "staging_blocks must be >= 1"),
 ])
 def test_bad_settings_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -44,3 +44,19 @@ def test_without_a_kvstore_nothing_is_passed(tmp_path, monkeypatch):
     assert launcher.plan_kvstore(args, tmp_path) is None
     workers, _ = launcher.plan(args, tmp_path)
     assert all("--kvstore-address" not in w.argv for w in workers)
+
+
+def test_kvstore_transfer_auto_follows_the_worker_transfer():
+    from services.worker.server import kvstore_tier_from
+    from services.worker.settings import worker_parser
+
+    def transfer(*argv: str) -> str:
+        args = worker_parser(Role.DECODE, 0).parse_args(["--kvstore-address", "127.0.0.1:1", *argv])
+        tier = kvstore_tier_from(args)
+        assert tier is not None
+        tier.close()  # never started: nothing to stop
+        return tier.config.transfer
+
+    assert transfer() == "auto" and transfer("--transfer", "grpc") == "grpc"
+    assert transfer("--transfer", "grpc", "--kvstore-transfer", "nixl") == "nixl"
+    assert transfer("--kvstore-transfer", "grpc") == "grpc"
