@@ -17,6 +17,8 @@ Entries (comma-separated; each at most once):
 ``redis:stall_ms=N``                   every prefix-index Redis call waits N ms first
 ``kill:kvstore:at_release=N``          the kvstore SIGKILLs itself when its N-th Release arrives
                                        (a worker's NIXL READ ran, its lease is still held)
+``kvstore:progress_delay_ms=N``        the kvstore drives NIXL (UCX) progress only after N ms of
+                                       a read lease (a stalled store: over UCX tcp, READs wait)
 ``seed=N``                             the random draws of drop / corrupt (default 0)
 =====================================  ==========================================================
 
@@ -45,6 +47,7 @@ class FaultPlan:
     kill_prefill_before_first_token: int = 0  # 0: never; N: at the N-th prefill request
     redis_stall_ms: float = 0.0
     kill_kvstore_at_release: int = 0  # 0: never; N: at the N-th Release
+    kvstore_progress_delay_ms: float = 0.0
     seed: int = 0
 
     @property
@@ -60,6 +63,7 @@ _FIELDS = {  # entry key -> (field, parse)
     "kill:prefill:before_first_token": ("kill_prefill_before_first_token", "count"),
     "redis:stall_ms": ("redis_stall_ms", "ms"),
     "kill:kvstore:at_release": ("kill_kvstore_at_release", "count"),
+    "kvstore:progress_delay_ms": ("kvstore_progress_delay_ms", "ms"),
     "seed": ("seed", "int"),
 }
 

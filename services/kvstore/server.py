@@ -200,6 +200,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def _progress(self) -> None:
         """Drive UCX while NIXL read leases are live (released or expired ends it)."""
         assert self.nixl is not None
+        delay_s = faults().plan.kvstore_progress_delay_ms / 1000  # PDSERVE_FAULTS only
+        if delay_s:
+            await asyncio.sleep(delay_s)
         while self._nixl_leases:
             self.nixl.progress()
             await asyncio.sleep(PROGRESS_INTERVAL_S)

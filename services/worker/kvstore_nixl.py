@@ -9,7 +9,7 @@ copy them into the engine's host slots on the engine thread.
 One load is a PrepareRead (the store leases the blocks against eviction), a NIXL READ of the
 leased slots into the staging region, and a Release, per chunk of at most ``num_staging_blocks``
 blocks (``KVStoreClient.read_into``); the lease is released on every path, and if this worker
-dies the store's lease expires by itself (``tests/integration/test_kvstore_service.py``).
+dies the store's lease expires by itself (``tests/integration/test_kvstore_tier_nixl.py``).
 
 Why a staging region and not the engine's host slots: ``KVStoreTier.load`` runs on the engine
 thread with a budget. A READ that has not completed when the budget runs out is abandoned, the
@@ -35,7 +35,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ from services.kvstore.nixl_reader import NixlBlockReader
 from services.kvstore.region import torch_dtype
 
 log = logging.getLogger(__name__)
-MAX_PARKED = 2  # tainted regions kept alive; after that many, loads go over gRPC for good
+MAX_PARKED = 2  # tainted regions replaced by fresh ones; at the next, loads go over gRPC for good
 
 
 class NixlStaging:
@@ -90,16 +90,12 @@ class NixlLoader:
     thread. Build it on the loop thread (the agent lives there); KVTransferError if NIXL
     cannot make an agent here."""
 
-    def __init__(self, compat: KVCompat, num_staging_blocks: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, compat: KVCompat, num_staging_blocks: int, loop: asyncio.AbstractEventLoop,
+                 on_abandoned: Callable[[], None] = lambda: None) -> None:
         self._loop = loop
+        self._on_abandoned = on_abandoned  # called on the loop thread, once per abandoned READ
         self.staging: NixlStaging | None = NixlStaging(compat, num_staging_blocks)
         self._parked: list[NixlStaging] = []
-
-    @property
-    def num_abandoned_reads(self) -> int:
-        regions = [*self._parked, *([self.staging] if self.staging is not None else [])]
-        return sum(region.reader.num_abandoned for region in regions)
 
     def load(self, client: KVStoreClient, block_hashes: Sequence[BlockHash], dst: torch.Tensor,
              dst_slots: Sequence[int], deadline: float) -> tuple[int, bool] | None:
@@ -142,6 +138,7 @@ class NixlLoader:
             return await client.read_into(staging.reader, block_hashes, range(len(block_hashes)), deadline)
         finally:
             if staging.is_tainted:
+                self._on_abandoned()
                 self._retire(staging)
             staging.busy = False
 

@@ -125,7 +125,8 @@ class KVStoreTier:
         async def connect() -> KVStoreClient:
             if self.config.transfer != "grpc":
                 try:
-                    self._nixl = NixlLoader(compat, self.config.staging_blocks, self._loop)
+                    self._nixl = NixlLoader(compat, self.config.staging_blocks, self._loop,
+                                            on_abandoned=self._count_abandoned_read)
                 except KVTransferError as error:
                     if self.config.transfer == "nixl":
                         raise
@@ -204,7 +205,6 @@ class KVStoreTier:
         hashes = list(block_hashes[:n])
         if self._nixl is not None:
             landed = self._nixl.load(client, hashes, dst, dst_slots, deadline)
-            self.counters.num_abandoned_reads = self._nixl.num_abandoned_reads
             if landed is not None:
                 num_landed, timed_out = landed
                 self.counters.num_load_timeouts += int(timed_out)
@@ -230,6 +230,9 @@ class KVStoreTier:
         return num_filled
 
     # ---- the loop thread -------------------------------------------------------------
+
+    def _count_abandoned_read(self) -> None:
+        self.counters.num_abandoned_reads += 1
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Run ``coro`` on the loop; raise TimeoutError (and cancel it) after ``timeout_s``."""

@@ -20,10 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_parse_every_entry():
     plan = parse_faults("kv_transfer:drop:0.5, kv_transfer:corrupt:0.25,kv_transfer:delay_ms:30,"
                         "kill:decode:after_tokens=5,kill:prefill:before_first_token=2,"
-                        "redis:stall_ms=200,kill:kvstore:at_release=3,seed=9")
+                        "redis:stall_ms=200,kill:kvstore:at_release=3,kvstore:progress_delay_ms=70,seed=9")
     assert plan == FaultPlan(kv_drop_p=0.5, kv_corrupt_p=0.25, kv_delay_ms=30.0,
                              kill_decode_after_tokens=5, kill_prefill_before_first_token=2,
-                             redis_stall_ms=200.0, kill_kvstore_at_release=3, seed=9)
+                             redis_stall_ms=200.0, kill_kvstore_at_release=3,
+                             kvstore_progress_delay_ms=70.0, seed=9)
     assert plan.is_active
     assert parse_faults("") == FaultPlan() and not parse_faults(" , ").is_active
     assert not parse_faults("seed=3").is_active
