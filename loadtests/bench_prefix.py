@@ -116,9 +116,10 @@ class Bench:
         for _ in range(num_prompts):
             self._run(core, self.tokens(self.args.prompt_len), FILLER)
 
-    def case(self, case: str) -> tuple[float, int, bool]:
-        """(TTFT s, cached tokens, greedy-equal) of one measured prompt cached as ``case`` says
-        (one of CASES: a tier, and for the kvstore the tier's transfer setting)."""
+    def case(self, case: str) -> tuple[float, int, bool, float]:
+        """(TTFT s, cached tokens, greedy-equal, s of it in the kvstore tier's ``load``) of one
+        measured prompt cached as ``case`` says (one of CASES: a tier, and for the kvstore the
+        tier's transfer setting)."""
         warm, prompt = self.prompts()
         tier, _, transfer = case.partition(":")
         core = {"device": self.device, "host": self.host, "none": self.device}.get(tier) \
@@ -127,13 +128,16 @@ class Bench:
             self._run(core, warm)
         if tier in ("host", "kvstore"):
             self.push_out(core, 2 if tier == "host" else 4)
-        if tier == "kvstore":
+        counters = self.tiers[transfer].counters if tier == "kvstore" else None
+        if counters is not None:
             self.wait_in_kvstore(self.tiers[transfer], prompt)
+        load_s_before = counters.nixl_load_s + counters.grpc_load_s if counters is not None else 0.0
         ttft, tokens, num_cached = self._run(core, prompt)
+        load_s = counters.nixl_load_s + counters.grpc_load_s - load_s_before if counters is not None else 0.0
         self.device.reset_prefix_cache()
         _, expected, _ = self._run(self.device, prompt)  # recomputed from scratch
         self.device.reset_prefix_cache()
-        return ttft, num_cached, tokens == expected
+        return ttft, num_cached, tokens == expected, load_s
 
     def wait_in_kvstore(self, tier: KVStoreTier, prompt: list[int], timeout_s: float = 120.0) -> None:
         hashes = hash_request_blocks(prompt[:self.args.cached_len], self.args.block_size)
@@ -176,9 +180,10 @@ def cpu_flags() -> str:
     return " ".join(sorted(set(flags) & set(CPU_FLAGS)))
 
 
-def best_of(rounds: int, fn: Callable[[], tuple[float, int, bool]]) -> tuple[float, int, bool]:
+def best_of(rounds: int, fn: Callable[[], tuple[float, int, bool, float]]) -> tuple[float, int, bool, float]:
     results = [fn() for _ in range(rounds)]
-    return min(r[0] for r in results), min(r[1] for r in results), all(r[2] for r in results)
+    return (min(r[0] for r in results), min(r[1] for r in results), all(r[2] for r in results),
+            min(r[3] for r in results))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,16 +218,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"prompt {args.prompt_len} tokens, first {args.cached_len} cached; block size {args.block_size}; "
           f"best of {args.rounds}; kvstore lookup budget {args.lookup_ms} ms\n")
     miss = cases["none"][0]
-    print("| cached on | TTFT (ms) | miss / this | cached tokens | greedy-equal |")
-    print("|---|---:|---:|---:|---|")
-    for case, (ttft, num_cached, equal) in cases.items():
+    print("| cached on | TTFT (ms) | miss / this | cached tokens | greedy-equal | of TTFT: kvstore load (ms) |")
+    print("|---|---:|---:|---:|---|---:|")
+    for case, (ttft, num_cached, equal, load_s) in cases.items():
         tier, _, transfer = case.partition(":")
         if transfer:  # name the transport by the bytes it moved, not by the setting
             nixl_bytes, grpc_bytes = moved[transfer]
-            tier = (f"kvstore over NIXL ({nixl_bytes / 2**20:.0f} MiB read)" if nixl_bytes and not grpc_bytes else
-                    f"kvstore over gRPC ({grpc_bytes / 2**20:.0f} MiB read)" if grpc_bytes and not nixl_bytes else
+            tier = (f"kvstore over NIXL ({nixl_bytes / 2**20:.0f} MiB in all)" if nixl_bytes and not grpc_bytes else
+                    f"kvstore over gRPC ({grpc_bytes / 2**20:.0f} MiB in all)" if grpc_bytes and not nixl_bytes else
                     f"kvstore ({transfer}: NIXL {nixl_bytes} B, gRPC {grpc_bytes} B)")
-        print(f"| {tier} | {ttft * 1000:.1f} | {miss / ttft:.1f}x | {num_cached} | {'yes' if equal else 'NO'} |")
+        load, verdict = (f"{load_s * 1000:.1f}" if transfer else "-"), ("yes" if equal else "NO")
+        print(f"| {tier} | {ttft * 1000:.1f} | {miss / ttft:.1f}x | {num_cached} | {verdict} | {load} |")
     print("\n| turn | prompt tokens | from cache | share |")
     print("|---:|---:|---:|---:|")
     for i, (num_prompt, num_cached) in enumerate(turns, 1):

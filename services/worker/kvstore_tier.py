@@ -94,6 +94,8 @@ class KVStoreTierCounters:
     num_grpc_loaded_blocks: int = 0
     num_grpc_loaded_bytes: int = 0
     num_abandoned_reads: int = 0  # NIXL READs still in progress at the deadline
+    nixl_load_s: float = 0.0  # engine-thread seconds in loads that went over NIXL
+    grpc_load_s: float = 0.0  # ... over gRPC (both: PrepareRead or Get to the copy into host slots)
 
 
 class KVStoreTier:
@@ -201,7 +203,8 @@ class KVStoreTier:
         client = self._client
         if client is None or n == 0:
             return 0
-        deadline = time.monotonic() + self.config.load_budget_s
+        started = time.monotonic()
+        deadline = started + self.config.load_budget_s
         hashes = list(block_hashes[:n])
         if self._nixl is not None:
             landed = self._nixl.load(client, hashes, dst, dst_slots, deadline)
@@ -210,10 +213,12 @@ class KVStoreTier:
                 self.counters.num_load_timeouts += int(timed_out)
                 self.counters.num_nixl_loaded_blocks += num_landed
                 self.counters.num_nixl_loaded_bytes += num_landed * client.block_bytes
+                self.counters.nixl_load_s += time.monotonic() - started
                 return num_landed
         num_landed = self._load_grpc(client, hashes, dst, dst_slots, deadline)
         self.counters.num_grpc_loaded_blocks += num_landed
         self.counters.num_grpc_loaded_bytes += num_landed * client.block_bytes
+        self.counters.grpc_load_s += time.monotonic() - started
         return num_landed
 
     def _load_grpc(self, client: KVStoreClient, hashes: list[BlockHash], dst: torch.Tensor,
