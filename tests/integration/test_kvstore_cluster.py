@@ -2,10 +2,10 @@
 and one decode worker started with ``--kvstore-address``, tiny pools (4 device blocks of 8 tokens,
 a host tier of 3 blocks), so that a prefix is pushed out of a worker's device and host tiers into
 the kvstore. Running it again loads it back from the kvstore (seen in ``WorkerStats.tiers``, not
-in logs) and greedy output is token for token the cold run's. The prefill worker loads over NIXL
-(``--kvstore-transfer nixl``), the decode worker over gRPC Get (``--kvstore-transfer grpc``): the
-KVSTORE tier's loaded bytes are all NIXL on one and all gRPC on the other (where NIXL cannot
-load, both use gRPC)."""
+in logs) and greedy output is token for token the cold run's. The workers move KV over NIXL; the
+prefill worker loads from the kvstore over NIXL too (``--kvstore-transfer auto``), the decode
+worker over gRPC Get (``--kvstore-transfer grpc``): the KVSTORE tier's loaded bytes are all NIXL
+on one and all gRPC on the other (where NIXL cannot load, everything uses gRPC)."""
 
 from __future__ import annotations
 
@@ -52,12 +52,13 @@ def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(tmp_p
     store = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="nixl" if has_nixl else "grpc")
     common = ["--kvstore-address", store.address, "--kvstore-lookup-ms", "500", "--block-size", str(BS),
               "--num-kv-blocks", "4", "--cpu-offload-gb", repr(3 * BLOCK_BYTES / 2**30)]
-    prefill = start_worker("prefill", tmp_path, *common, "--kvstore-transfer", "nixl" if has_nixl else "grpc",
-                           transfer="grpc")
-    decode = start_worker("decode", tmp_path, *common, "--kvstore-transfer", "grpc", transfer="grpc")
+    # KV between the workers over NIXL too: the prefill worker runs two agents (sender, kvstore reader)
+    transfer = "nixl" if has_nixl else "grpc"
+    prefill = start_worker("prefill", tmp_path, *common, "--kvstore-transfer", "auto", transfer=transfer)
+    decode = start_worker("decode", tmp_path, *common, "--kvstore-transfer", "grpc", transfer=transfer)
 
     async def run(name: str) -> list[int]:
-        backend = DisaggregatedBackend([prefill.address], [decode.address], "grpc", poll_interval_s=0.2)
+        backend = DisaggregatedBackend([prefill.address], [decode.address], transfer, poll_interval_s=0.2)
         await backend.start()
         try:
             tokens: list[int] = []
