@@ -1,9 +1,10 @@
 """Paged attention on CPU: the compiled kernel ``csrc/attention.cpp``: fp32 queries over an fp32
-cache, or a quantized one (int8 / float8_e4m3fn rows with their scale, ``kernels.kv_quant``).
+or bfloat16 cache, or a quantized one (int8 / float8_e4m3fn rows with their scale,
+``kernels.kv_quant``).
 
 Same contract as ``kernels.paged_attention_ref.paged_attention_ref`` (read its module
 docstring): K/V rows are read in place from the strided per-layer views of the block cache, one
-work item per (sequence, KV head, up to 8 query rows), online softmax in fp32.
+work item per (sequence, KV head, up to 16 query rows), online softmax in fp32.
 
 Sequences whose query is longer than ``LONG_QUERY_THRESHOLD`` tokens go to the torch
 reference's per-sequence SDPA path instead: the kernel computes scores one query row at a time,
@@ -36,7 +37,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     max_seqlen_q: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. Raises ValueError naming the argument for a bad shape, dtype
-    (only float32 here) or value (q_len > seq_len, seq_len beyond block_tables, bad block id)."""
+    (float32 queries; float32, bfloat16, int8 or float8_e4m3fn caches) or value (q_len >
+    seq_len, seq_len beyond block_tables, bad block id)."""
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     # validates every argument and value, then computes the sequences with short queries
