@@ -439,7 +439,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   }
   if (items.empty()) return;
 
-  const int64_t num_threads = at::get_num_threads(), max_queries = kRowsPerItem * L.group;
+  // scratch and split-KV slots for the longest item (a decode batch: one row), not kRowsPerItem
+  int64_t max_rows = 0;
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.num_rows);
+  const int64_t num_threads = at::get_num_threads(), max_queries = max_rows * L.group;
   const bool is_parallel = num_threads > 1 && total_cost * L.group >= kSerialCost;
   // Few long items (batch-1 decode over a long context): split their keys so every thread has work.
   std::vector<WorkItem> split_firsts;  // first split of each item that was split, for the merge
