@@ -3,14 +3,16 @@
 //
 // The per-query step reads each key row once per query and folds kLanes dot products into one
 // score vector with a shuffle tree; with many queries per item (a prompt chunk on a cached
-// prefix: 8 rows x the GQA group) that is mostly shuffles and loads, not FMAs. Here the key tile
+// prefix: 16 rows x the GQA group) that is mostly shuffles and loads, not FMAs. Here the key tile
 // is transposed once into scratch (kt[d][j] = K_j[d]) and shared by all the item's queries:
 //
 //   S[i][:]  = sum_d q_i[d] * kt[d][:]       kScoreRows queries at a time, one FMA per (query, d),
 //                                           kScoreRows independent accumulators in registers
-//   online softmax per query (as the per-query step), P[i][j] to scratch
-//   acc[i]   = acc[i] * corr_i + sum_j P[i][j] * V_j     kPvRows queries x kPvVectors vectors of
-//                                           head_dim in registers, each V vector loaded once per block
+//   online softmax per query (as the per-query step; the block's corrections in one vexp2),
+//   P[i][j] to scratch
+//   acc[i]   = acc[i] * corr_i + sum_j P[i][j] * V_j     kPvRows queries x up to 4 vectors of
+//                                           head_dim in registers, each V vector loaded once per
+//                                           kPvRows queries
 //
 // Query rows are padded to kQueryPad in scratch; padded rows never see a key (P = 0, corr = 1).
 #pragma once
