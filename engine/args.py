@@ -62,9 +62,10 @@ class EngineArgs:
     device: str = _setting(EngineConfig.device, "torch device")
     dtype: str = _setting(EngineConfig.dtype, "weights, activations and KV cache dtype",
                           choices=DTYPES)
-    kv_cache_dtype: str = _setting("auto", "KV cache storage: the model's dtype (auto), fp32, or "
-                                   "8-bit codes with a per-token, per-head fp32 scale (int8, fp8 = "
-                                   "float8_e4m3fn)", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _setting("auto", "KV cache storage: the model's dtype (auto), fp32, "
+                                   "bf16 (half fp32's bytes), or 8-bit codes with a per-token, "
+                                   "per-head fp32 scale (int8, fp8 = float8_e4m3fn)",
+                                   choices=KV_CACHE_DTYPES)
     weight_format: str = _setting(EngineConfig.weight_format, "matmul weights: fp32, the GGUF's "
                                   "own blocks (auto), or all Q8_0 / 4-bit", choices=WEIGHT_FORMATS)
     num_threads: int = _setting(EngineConfig.num_threads,

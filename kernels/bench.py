@@ -1,11 +1,13 @@
 """Kernel micro-benchmarks: each Triton kernel against its torch baseline, in the same run.
 
     python -m kernels.bench            (CUDA only; on CPU it says so and exits 0)
+    python -m kernels.bench --cpu [--isa native|avx2] [--threads N]   (kernels.cpu.attention)
 
 Attention is compared with ``torch.nn.functional.scaled_dot_product_attention`` on the same data
 gathered into contiguous tensors (the baseline gets its copy for free). Decode is reported as
 achieved HBM GB/s (bytes of K/V read), prefill as TFLOP/s, each also as a fraction of the device's
-peak when the device is in ``PEAKS``.
+peak when the device is in ``PEAKS``. ``--cpu`` does the same for the compiled CPU attention
+(``kernels.bench_attention_cpu``) at SmolLM2-135M's shapes.
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ def bench_small_kernels(bandwidth: float | None) -> list[str]:
 
 
 def main() -> int:
+    if "--cpu" in sys.argv[1:]:
+        from kernels.bench_attention_cpu import main as cpu_main
+        return cpu_main([a for a in sys.argv[1:] if a != "--cpu"])
     if not torch.cuda.is_available():
         print("kernels.bench needs a CUDA device (Triton kernels are timed natively); none found, "
               "nothing to measure.")

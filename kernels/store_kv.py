@@ -61,14 +61,24 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
 
 
 @triton.jit
+def _bf16_bits(x):
+    """fp32 -> bfloat16 bit patterns (int16), rounded to nearest even like torch's cast (Triton
+    3.9's interpreter truncates in .to(tl.bfloat16)); NaN -> 0x7FC0, torch's NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BITS: tl.constexpr,
 ):
-    # One program per token: copy its [num_kv_heads, head_dim] K and V into its slot.
+    # One program per token: copy its [num_kv_heads, head_dim] K and V into its slot. BF16_BITS:
+    # fp32 K/V into a bfloat16 cache seen as int16, rounded by _bf16_bits.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -78,8 +88,12 @@ def _store_kv_kernel(
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + heads * stride_ch + dims
         k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+        if BF16_BITS:
+            tl.store(key_cache_ptr + dst, _bf16_bits(k.to(tl.float32)), mask=mask)
+            tl.store(value_cache_ptr + dst, _bf16_bits(v.to(tl.float32)), mask=mask)
+        else:
+            tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -157,4 +171,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             QMAX=448.0 if key_cache.dtype == torch.float8_e4m3fn else 127.0,
             IS_FP8=key_cache.dtype == torch.float8_e4m3fn, **blocks)
         return
-    _store_kv_kernel[(num_tokens,)](key, value, key_cache, value_cache, slot_mapping, *common, **blocks)
+    if key_cache.dtype == torch.bfloat16 and key.dtype == torch.float32:
+        _store_kv_kernel[(num_tokens,)](key, value, key_cache.view(torch.int16), value_cache.view(torch.int16),
+                                        slot_mapping, *common, BF16_BITS=True, **blocks)
+        return
+    _store_kv_kernel[(num_tokens,)](key, value, key_cache, value_cache, slot_mapping, *common,
+                                    BF16_BITS=False, **blocks)

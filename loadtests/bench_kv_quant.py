@@ -1,7 +1,7 @@
-"""The quantized KV cache: bytes per token, accuracy and decode speed at a long context,
-fp32 vs int8 (vs fp8) KV in the same run.
+"""The compact KV caches: bytes per token, accuracy and decode speed at a long context,
+fp32 vs bf16 vs int8 (vs fp8) KV in the same run.
 
-    python -m loadtests.bench_kv_quant [--model PATH] [--kv-dtypes fp32,int8] [--context 2048]
+    python -m loadtests.bench_kv_quant [--model PATH] [--kv-dtypes fp32,bf16,int8] [--context 2048]
                                        [--batches 1,16] [--steps 8] [--repeats 3]
 
 Accuracy (``loadtests.bench_quant.accuracy``, on its fixed texts and greedy prompts): each KV
@@ -103,7 +103,7 @@ def step_seconds(llm: LLM, tables: list[list[int]], context: int, num_steps: int
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--kv-dtypes", default="fp32,int8")
+    parser.add_argument("--kv-dtypes", default="fp32,bf16,int8")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--steps", type=int, default=8)

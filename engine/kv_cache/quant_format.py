@@ -20,8 +20,9 @@ and everything that moves blocks moves the scales with them without knowing they
 
 from __future__ import annotations
 
-# --kv-cache-dtype values (vLLM's flag names): auto = the model's dtype (the cache as before)
-KV_CACHE_DTYPES = ("auto", "fp32", "int8", "fp8")
+# --kv-cache-dtype values (vLLM's flag names): auto = the model's dtype (the cache as before);
+# bf16 stores bfloat16 rows (no scale: half of fp32's bytes), read by widening in the kernels
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "int8", "fp8")
 # CacheConfig.dtype names of the quantized layouts (torch dtype names of their codes)
 QUANT_KV_DTYPES = ("int8", "float8_e4m3fn")
 SCALE_BYTES = 4  # one fp32 scale per row; kernels.kv_quant.SCALE_BYTES is the same number
@@ -30,8 +31,10 @@ QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}  # largest code magnitude used
 
 def cache_dtype_for(kv_cache_dtype: str, model_dtype: str) -> str:
     """The ``CacheConfig.dtype`` name of a ``--kv-cache-dtype`` value: 'auto' keeps the model's
-    dtype, 'fp32' is float32, 'int8' int8 and 'fp8' float8_e4m3fn. ValueError otherwise."""
-    names = {"auto": model_dtype, "fp32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
+    dtype, 'fp32' is float32, 'bf16' bfloat16, 'int8' int8 and 'fp8' float8_e4m3fn. ValueError
+    otherwise."""
+    names = {"auto": model_dtype, "fp32": "float32", "bf16": "bfloat16", "int8": "int8",
+             "fp8": "float8_e4m3fn"}
     if kv_cache_dtype not in names:
         raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     return names[kv_cache_dtype]

@@ -37,10 +37,11 @@ def model_dims(config: ModelConfig) -> ModelDims:
 
 
 def kv_quant_ops(ops: Ops, backend: str) -> Ops:
-    """``ops`` for a quantized KV cache: on the 'cpu' backend the compiled store and attention
-    serve every size (they read the 1-byte codes in place; the calibration's torch choice was
-    timed on an fp32 cache and would dequantize the whole context on every call). The 'torch'
-    and 'triton' ops read the quantized cache as they are."""
+    """``ops`` for a quantized KV cache, or one stored in another dtype than the model's (bf16
+    under fp32): on the 'cpu' backend the compiled store and attention serve every size (they
+    read the 1-byte codes or bf16 rows in place; the calibration's torch choice was timed on an
+    fp32 cache and would convert the whole context on every call). The 'torch' and 'triton' ops
+    read such a cache as they are."""
     if backend != "cpu":
         return ops
     compiled = compiled_ops()
@@ -66,7 +67,7 @@ class ModelRunner:
         plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
                               config.dtype)
         ops = get_ops(self.backend, model_dims(loaded.config))
-        if is_quantized(config.cache.dtype):
+        if is_quantized(config.cache.dtype) or config.cache.dtype != config.dtype:
             ops = kv_quant_ops(ops, self.backend)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, ops, self.device, dtype,
                                       quant_plan=plan)

@@ -209,6 +209,21 @@ def test_grpc_handshake_mismatch_names_differing_fields(grpc_receiver):
     other.close()
 
 
+def test_grpc_handshake_refuses_a_bf16_sender_into_an_fp32_receiver(grpc_receiver):
+    # same model, shape and block size; only the storage dtype differs (--kv-cache-dtype bf16)
+    from services.prefill.kv_grpc_sender import GrpcKVSender, fetch_remote_handshake
+    address, _ = grpc_receiver
+    bf16 = GrpcKVSender(MODEL)
+    bf16.register(fake_kv_cache(seed=7).bfloat16())
+    try:
+        with pytest.raises(KVTransferError, match="FAILED_PRECONDITION: KV caches are incompatible") as err:
+            fetch_remote_handshake(address, bf16.handshake_info())
+    finally:
+        bf16.close()
+    assert "dtype: receiver='float32' sender='bfloat16'" in str(err.value)
+    assert "block_size" not in str(err.value) and "model_name" not in str(err.value)
+
+
 def _push_raw(address: str, header, chunks=()):
     from services.common.pb import kv_pb2, kv_pb2_grpc
     messages = [kv_pb2.PushBlocksChunk(header=header), *chunks]

@@ -25,7 +25,7 @@ from kernels.cpu.linear import LANES  # noqa: E402  (the vector width of this IS
 GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): group 1, 3 (SmolLM2) and 8
 DECODE_RAGGED = ([1, 300, 16, 33, 129, 17], [1] * 6)
 # decode, a single-token context, a chunk ending on a block boundary, prefill on a cached prefix,
-# whole-prompt prefill (q_len == seq_len, 24 rows: three 8-row tiles), spec verification (4)
+# whole-prompt prefill (q_len == seq_len, 24 rows: a 16-row and an 8-row tile), spec verification (4)
 MIXED = ([37, 1, 64, 50, 24, 90, 16], [1, 1, 32, 20, 24, 4, 1])
 SPEC_VERIFY = ([42, 43, 44, 45, 46, 47, 48], [2, 3, 4, 5, 6, 7, 8])
 
@@ -122,6 +122,30 @@ def test_long_queries_routed_to_sdpa(monkeypatch):
     assert_matches_reference(make_case(*MIXED, 9, 3))
 
 
+# Queries per item (rows x the group) on both sides of the multi-query step's threshold (8) and
+# of the 16-row item: 1, 7, 8, 9 rows (with group 1: 7 queries take the per-query step, 8 and 9
+# the multi-query one; group 3: 21-27 queries, padded to 24 / 48 in scratch), 15-17 rows (17: a
+# 16-row item and a 1-row one), whole prompts; partial blocks at both ends of each chunk.
+MULTI_QUERY = ([40, 41, 45, 53, 29, 7, 60, 61, 17], [1, 7, 8, 9, 5, 7, 15, 16, 17])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_query_lengths_around_the_multi_query_step(num_heads, num_kv_heads, num_threads):
+    torch.set_num_threads(num_threads)
+    seq_lens, query_lens = MULTI_QUERY
+    assert_matches_reference(make_case(seq_lens, query_lens, num_heads, num_kv_heads))
+    assert_matches_reference(make_case(seq_lens, query_lens, num_heads, num_kv_heads, block_size=8))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_prompt_chunk_on_a_long_cached_prefix(num_threads):
+    # the prefix-hit shape of loadtests/bench_prefix.py, shorter: 112 new tokens on 1,900 cached
+    # (a partial last block), next to a decode of the same context
+    torch.set_num_threads(num_threads)
+    assert_matches_reference(make_case([2012, 2012], [112, 1], 9, 3))
+
+
 def test_two_threads_and_split_kv():
     # one or two sequences over 1-2k keys make fewer work items than 2 threads x 8: their keys
     # split into parts of >= 256 (decode and an 8-row verify tile), merged after
@@ -156,7 +180,8 @@ def _table_entry(row: int, col: int, value: int):
 
 BAD_ARGUMENTS = {
     "query float64": (_bad(0, lambda a: a[0].double()), "query must be float32"),
-    "key_cache bfloat16": (_bad(1, lambda a: a[1].bfloat16()), "key_cache must be float32"),
+    "key_cache float16": (_bad(1, lambda a: a[1].half()), "key_cache must be float32, bfloat16, int8"),
+    "value_cache dtype": (_bad(2, lambda a: a[2].bfloat16()), "value_cache must have the dtype of key_cache"),
     "value_cache shape": (_bad(2, lambda a: a[2][:, :8]), "value_cache must have the shape of key_cache"),
     "head_dim 18": (lambda a: (a[0][..., :18],) + (a[1][..., :18], a[2][..., :18]) + a[3:],
                     f"head_dim must be a multiple of {LANES}"),

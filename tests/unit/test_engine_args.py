@@ -84,10 +84,11 @@ def test_build_applies_every_field():
 
 def test_kv_cache_dtype_names_the_cache_storage():
     dtypes = {value: EngineArgs(kv_cache_dtype=value).build(MODEL, Role.DECODE).cache.dtype
-              for value in ("auto", "fp32", "int8", "fp8")}
-    assert dtypes == {"auto": "float32", "fp32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
+              for value in ("auto", "fp32", "bf16", "int8", "fp8")}
+    assert dtypes == {"auto": "float32", "fp32": "float32", "bf16": "bfloat16", "int8": "int8",
+                      "fp8": "float8_e4m3fn"}
     assert EngineArgs(dtype="bfloat16").build(MODEL, Role.DECODE).cache.dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto|fp32|int8|fp8, got 'int4'"):
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype must be auto\|fp32\|bf16\|int8\|fp8, got 'int4'"):
         EngineArgs(kv_cache_dtype="int4").build(MODEL, Role.DECODE)
 
 

@@ -56,6 +56,20 @@ def test_compat_of_a_quantized_cache_names_its_dtype_and_refuses_a_float_peer():
     assert "head_dim" not in str(err.value) and "--kv-cache-dtype" in str(err.value)
 
 
+def test_a_bf16_cache_is_half_of_fp32_and_refuses_a_float32_peer():
+    fp32 = bytes_per_token("float32", 30, 3, 64, 4)
+    assert bytes_per_token("bfloat16", 30, 3, 64, 2) * 2 == fp32
+    assert bytes_per_block(SMOL, CacheConfig(dtype="bfloat16")) * 2 == bytes_per_block(SMOL, CacheConfig())
+    cache = allocate_kv_cache(SMOL, CacheConfig(num_blocks=2, dtype="bfloat16"))
+    assert tuple(cache.shape) == (2, 30, 2, 16, 3, 64) and cache.dtype == torch.bfloat16
+    bf16 = KVCompat.from_kv_cache(SMOL.name, cache)
+    assert (bf16.dtype, bf16.head_dim, bf16.block_shape) == ("bfloat16", 64, (30, 2, 16, 3, 64))
+    float32 = KVCompat.from_kv_cache(SMOL.name, allocate_kv_cache(SMOL, CacheConfig(num_blocks=2)))
+    assert bf16.hash != float32.hash
+    with pytest.raises(KVTransferError, match="dtype: receiver='float32' sender='bfloat16'"):
+        float32.check_matches(bf16, sides=("receiver", "sender"))
+
+
 def test_packed_blocks_carry_codes_and_scales_exactly():
     gen = torch.Generator().manual_seed(0)
     src = quantize_rows(torch.randn(6, 2, 2, 4, 3, 64, generator=gen), torch.int8)

@@ -1,11 +1,11 @@
 // Paged attention on CPU, reading K/V rows in place from the block-paged cache (no gather).
 //
-// Contract: kernels/paged_attention_ref.py (module docstring); fp32 queries, and an fp32 or a
-// quantized cache (int8 or float8_e4m3fn rows: head_dim codes, then the row's fp32 scale; see
-// kernels/kv_quant.py), whose tiles are dequantized once into an fp32 scratch tile (codes widened
-// in registers, times the row's scale) that every query of the item then reads from L1: the
-// group's queries share each conversion. One kernel serves
-// every query length: decode (q_len 1), spec verification, chunked prefill on a prefix.
+// Contract: kernels/paged_attention_ref.py (module docstring); fp32 queries, and an fp32, a
+// bfloat16 or a quantized cache (int8 or float8_e4m3fn rows: head_dim codes, then the row's fp32
+// scale; see kernels/kv_quant.py). A bf16 or quantized cache's tiles are widened once into an fp32
+// scratch tile (in registers, times the row's scale) that every query of the item then reads
+// from L1: the group's queries share each conversion. One kernel serves every query length:
+// decode (q_len 1), spec verification, chunked prefill on a prefix.
 //
 // Work item = (sequence, KV head, tile of up to kRowsPerItem query rows). The `group` query
 // heads that share the KV head are processed together, so each K/V row is read from the cache
@@ -16,6 +16,12 @@
 //     m_i, l_i, acc_i  <- online softmax update with p[i][j] = 2^(s[i][j] - m_i)
 //     acc_i   += p[i][j] * V_j
 //   out_i = acc_i / l_i
+//
+// Two inner steps compute the same thing. An item with fewer than kMinMultiQueries queries
+// (decode, short spec verification) takes the per-query step below: kLanes dot products per
+// query folded by a shuffle tree. An item with more (a prompt chunk: 16 rows x the group) takes
+// the multi-query step of attention_tile.h: the K tile transposed once, then scores and P x V as
+// register-blocked GEMMs over all its queries.
 //
 // Items go to threads through one atomic counter, longest first, so a long prefill chunk in a
 // batch of decodes does not leave a thread idle behind a static split. When there are fewer
@@ -32,16 +38,21 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_tile.h"
 #include "vec.h"
 
 namespace pdserve {
 namespace {
 
-constexpr int kRowsPerItem = 8;        // query rows (tokens) per work item
+// query rows (tokens) per work item: 16 x the group share each K/V pass (16 rows instead of 8
+// took a third off the prefix-hit shape, 112 queries on 2k keys, whose items stream their
+// head's K/V from L3; 32 gained nothing more)
+constexpr int kRowsPerItem = 16;
 constexpr int kMaxHeadVectors = 256 / kLanes;  // head_dim up to 256
 constexpr int64_t kSerialCost = 8192;  // below this many (query head x key) dot products: one thread
 constexpr int64_t kItemsPerThread = 8;  // fewer items than this per thread: split their keys
 constexpr int64_t kMinSplitKeys = 256;  // ... into parts of at least this many keys
+constexpr int64_t kMinMultiQueries = 8;  // items with this many queries take the multi-query step
 
 // Lane permutations for transpose_sum (GCC __builtin_shuffle: index >= kLanes picks from the
 // second operand). Fold at width w = kLanes >> (level + 1): within each 2w-lane group, the
@@ -76,27 +87,6 @@ inline vfloat transpose_sum(vfloat* rows) {
   return rows[0];
 }
 
-// 2^x for x <= 0 (Cephes exp2f polynomial on [-0.5, 0.5], relative error ~2e-7); exactly 0
-// below -127, so masked scores (-inf) get weight 0.
-inline vfloat vexp2(vfloat x) {
-  x = x < -127.f ? vsplat(-127.f) : x;
-  vfloat shifted = x + 0.5f;
-  vfloat n = __builtin_convertvector(__builtin_convertvector(shifted, vint), vfloat);
-  n = n > shifted ? n - 1.f : n;  // truncation rounded negatives up: floor(x + 0.5)
-  vfloat f = x - n;
-  vfloat p = vsplat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  vint bits = (__builtin_convertvector(n, vint) + 127) << 23;  // 2^n; n = -127 gives +0
-  vfloat two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // How a cache row is read: Rows::load(p) gives kLanes values of the row at p (before its
 // scale), Rows::scale(row, head_dim) the row's scale. F32Rows are read in place.
 struct F32Rows {
@@ -124,6 +114,14 @@ struct Fp8Rows {
     std::memcpy(&s, row + head_dim, sizeof s);
     return s * kFp8Bias;
   }
+};
+
+// bfloat16 rows: no scale; widened in registers like the 1-byte codes.
+struct Bf16Rows {
+  using T = unsigned short;
+  static constexpr int64_t kScaleBytes = 0;
+  static vfloat load(const T* p) { return vload_bf16(p); }
+  static float scale(const T*, int64_t) { return 1.f; }
 };
 
 // n quantized rows -> fp32 rows of head_dim at dst (scale applied).
@@ -201,13 +199,17 @@ struct Partials {
         m(num_slots * max_queries), l(num_slots * max_queries) {}
 };
 
-// Scratch of one thread, reused across its items: num_rows * group queries, and one K and one
-// V tile of kLanes rows (a quantized cache's tiles, dequantized).
+// Scratch of one thread, reused across its items: num_rows * group queries (padded to
+// kQueryPad for the multi-query step), one K and one V tile of kLanes rows (a quantized cache's
+// tiles, dequantized), the K tile transposed, and the tile's P and corrections per query.
 struct Scratch {
-  std::vector<float> q, acc, m, l, k_tile, v_tile;
+  std::vector<float> q, acc, m, l, k_tile, v_tile, kt, p, corr;
   explicit Scratch(int64_t max_queries, int64_t head_dim)
-      : q(max_queries * head_dim), acc(max_queries * head_dim), m(max_queries), l(max_queries),
-        k_tile(kLanes * head_dim), v_tile(kLanes * head_dim) {}
+      : q(round_up(max_queries, kQueryPad) * head_dim), acc(round_up(max_queries, kQueryPad) * head_dim),
+        m(round_up(max_queries, kQueryPad)), l(round_up(max_queries, kQueryPad)), k_tile(kLanes * head_dim),
+        v_tile(kLanes * head_dim), kt(kLanes * head_dim), p(round_up(max_queries, kQueryPad) * kLanes),
+        corr(round_up(max_queries, kQueryPad)) {}
+  TileRows rows() { return {q.data(), acc.data(), m.data(), l.data(), p.data(), corr.data()}; }
 };
 
 // Scores of one query against the keys of one tile, scaled to base 2: lane j = q . K_j for
@@ -244,6 +246,9 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
     s.m[i] = -INFINITY;
     s.l[i] = 0.f;
   }
+  // Enough queries share each key tile: transpose it once and run them as small GEMMs.
+  const bool is_multi_query = nq >= kMinMultiQueries;
+  if (is_multi_query) init_padding(s.rows(), nq, round_up(nq, kQueryPad));
   const int64_t kv_end = w.key_end;
   for (int64_t t0 = w.key_begin; t0 < kv_end;) {
     const int64_t block_index = t0 / L.block_size, slot0 = t0 % L.block_size;
@@ -265,6 +270,13 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
       const int64_t next_rows = std::min(L.block_size, kv_end - t0 - L.block_size);
       prefetch_rows(key + next * L.k_stride_block + w.kv_head * L.k_stride_head, next_rows, L.k_stride_slot, row_bytes);
       prefetch_rows(value + next * L.v_stride_block + w.kv_head * L.v_stride_head, next_rows, L.v_stride_slot, row_bytes);
+    }
+    if (is_multi_query) {
+      transpose_tile(k_rows, k_stride, n, L.head_dim, s.kt.data());
+      attend_tile_rows(s.rows(), nq, L.head_dim, s.kt.data(), n, v_rows, v_stride,
+                       [&](int64_t i) { return std::min(n, w.first_pos + i / group - t0 + 1); });
+      t0 += n;
+      continue;
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t visible = std::min(n, w.first_pos + i / group - t0 + 1);  // causal
@@ -331,12 +343,12 @@ void check_float_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
   TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must have stride 1 in its last dim, got strides ", t.strides());
 }
 
-// The cache: fp32, or a quantized dtype (int8, float8_e4m3fn) whose rows carry 4 scale bytes.
+// The cache: fp32, bfloat16, or a quantized dtype (int8, float8_e4m3fn) whose rows carry 4 scale bytes.
 void check_cache_tensor(const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   const auto type = t.scalar_type();
-  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kChar || type == at::kFloat8_e4m3fn, name,
-                    " must be float32, int8 or float8_e4m3fn on the CPU kernel path, got ", type);
+  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kBFloat16 || type == at::kChar || type == at::kFloat8_e4m3fn,
+                    name, " must be float32, bfloat16, int8 or float8_e4m3fn on the CPU kernel path, got ", type);
   TORCH_CHECK_VALUE(t.dim() == 4, name, " must be 4-d, got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.stride(-1) == 1, name, " must have stride 1 in its last dim, got strides ", t.strides());
 }
@@ -364,7 +376,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), num_seqs = block_tables.size(0);
   const int64_t max_blocks_per_seq = block_tables.size(1);
-  const bool is_quantized = key_cache.scalar_type() != at::kFloat;
+  const bool is_quantized = key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK_VALUE(key_cache.size(3) == head_dim + (is_quantized ? 4 : 0), "key_cache must have head_dim ",
                     head_dim, " like query", is_quantized ? " plus 4 scale bytes (a quantized cache)" : "",
                     ", got shape ", key_cache.sizes());
@@ -427,7 +439,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   }
   if (items.empty()) return;
 
-  const int64_t num_threads = at::get_num_threads(), max_queries = kRowsPerItem * L.group;
+  // scratch and split-KV slots for the longest item (a decode batch: one row), not kRowsPerItem
+  int64_t max_rows = 0;
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.num_rows);
+  const int64_t num_threads = at::get_num_threads(), max_queries = max_rows * L.group;
   const bool is_parallel = num_threads > 1 && total_cost * L.group >= kSerialCost;
   // Few long items (batch-1 decode over a long context): split their keys so every thread has work.
   std::vector<WorkItem> split_firsts;  // first split of each item that was split, for the merge
@@ -487,6 +502,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   switch (key_cache.scalar_type()) {
     case at::kChar: run_rows(Int8Rows{}); break;
     case at::kFloat8_e4m3fn: run_rows(Fp8Rows{}); break;
+    case at::kBFloat16: run_rows(Bf16Rows{}); break;
     default: run_rows(F32Rows{}); break;
   }
   for (size_t k = 0; k < split_firsts.size(); ++k) merge_splits(L, split_firsts[k], split_counts[k], partials);

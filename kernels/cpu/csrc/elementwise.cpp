@@ -250,16 +250,25 @@ void quantize_row(const float* x, int64_t head_dim, uint8_t* row) {
   std::memcpy(row + head_dim, &scale, sizeof scale);
 }
 
+// One bfloat16 cache row: round to nearest even, as torch's .to(torch.bfloat16).
+inline void to_bf16_row(const float* x, int64_t head_dim, uint8_t* row) {
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const uint16_t bits = c10::BFloat16(x[d]).x;
+    std::memcpy(row + d * sizeof bits, &bits, sizeof bits);
+  }
+}
+
 void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
               const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  // fp32 caches, or quantized ones (int8, float8_e4m3fn) whose rows carry kScaleBytes more
+  // fp32 or bfloat16 caches, or quantized ones (int8, float8_e4m3fn) whose rows carry kScaleBytes more
   const at::ScalarType cache_type = key_cache.defined() ? key_cache.scalar_type() : at::kFloat;
   const bool is_quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
-  if (is_quantized) {
+  const bool is_bf16 = cache_type == at::kBFloat16;
+  if (is_quantized || is_bf16) {
     TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.device().is_cpu() && key_cache.stride(-1) == 1,
                       "key_cache must be a 4-d cpu tensor with stride 1 in its last dim, got shape ",
                       tuple_str(key_cache.sizes()), " strides ", tuple_str(key_cache.strides()));
-    TORCH_CHECK_VALUE(key_cache.size(3) > kScaleBytes, "key_cache is ", dtype_name(cache_type),
+    TORCH_CHECK_VALUE(!is_quantized || key_cache.size(3) > kScaleBytes, "key_cache is ", dtype_name(cache_type),
                       ": its rows must hold head_dim codes and ", kScaleBytes, " scale bytes, got shape ",
                       tuple_str(key_cache.sizes()));
     TORCH_CHECK_VALUE(value_cache.defined() && value_cache.scalar_type() == cache_type, "value_cache must have "
@@ -271,7 +280,7 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   const int64_t head_dim = is_quantized ? row_width - kScaleBytes : row_width;
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache must have shape ",
                     tuple_str(key_cache.sizes()), ", got ", tuple_str(value_cache.sizes()));
-  if (!is_quantized)
+  if (!is_quantized && !is_bf16)
     check_tensor("value_cache", value_cache, {key_cache.size(0), key_cache.size(1), num_kv_heads, head_dim},
                  Kind::kFloat32);
   TORCH_CHECK_VALUE(value_cache.strides() == key_cache.strides(), "value_cache must have the strides of key_cache ",
@@ -314,6 +323,9 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
           } else if (cache_type == at::kFloat8_e4m3fn) {
             quantize_row<true>(k_src, head_dim, k_row);
             quantize_row<true>(v_src, head_dim, v_row);
+          } else if (cache_type == at::kBFloat16) {
+            to_bf16_row(k_src, head_dim, k_row);
+            to_bf16_row(v_src, head_dim, v_row);
           } else {
             std::memcpy(k_row, k_src, row_bytes);
             std::memcpy(v_row, v_src, row_bytes);

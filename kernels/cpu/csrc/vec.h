@@ -80,6 +80,23 @@ inline vfloat vload_fp8(const unsigned char* p) {
 }
 constexpr float kFp8Bias = 1.329227995784916e36f;  // 2^120
 
+// kLanes bfloat16 values (bit patterns) as fp32: the 16 bits widened and shifted into the top
+// half, exact (vpmovzxwd + vpslld).
+inline vfloat vload_bf16(const unsigned short* p) {
+#if defined(__AVX512F__)
+  const vint x = (vint)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__)
+  const vint x = (vint)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vint x;
+  for (int i = 0; i < kLanes; ++i) x[i] = p[i];
+#endif
+  const vint bits = x << 16;
+  vfloat f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // lane 0 to every lane: one broadcast (vfloat{} + x would add a zero first)
 inline vfloat vsplat(float x) { return __builtin_shuffle(vfloat{x}, vint{}); }
 
