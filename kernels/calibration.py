@@ -165,14 +165,21 @@ def measured_ops(table: Calibration):
     linear_impls = {impl for _, impl in table.impls("linear")}
     quant_impls = {impl for _, impl in table.impls("quant_linear")}
     rows = lambda args: args[0].shape[0]  # noqa: E731
-    return Ops(rms_norm=pick("rms_norm", rows), rotary=pick("rotary", rows),
-               silu_and_mul=pick("silu_and_mul", rows), store_kv=pick("store_kv", rows),
-               paged_attention=pick("paged_attention", lambda args: args[6]),
-               pack_linear=lambda w_t: DualWeight.pack(w_t, linear_impls),
-               linear=_by_size([(bound, DualWeight.CALLS[impl]) for bound, impl in table.impls("linear")], rows),
-               pack_quant=lambda blocks: DualWeight.pack_quant(blocks, quant_impls),
-               quant_linear=_by_size([(bound, DualWeight.QUANT_CALLS[impl])
-                                      for bound, impl in table.impls("quant_linear")], rows))
+    ops = Ops(rms_norm=pick("rms_norm", rows), rotary=pick("rotary", rows),
+              silu_and_mul=pick("silu_and_mul", rows), store_kv=pick("store_kv", rows),
+              paged_attention=pick("paged_attention", lambda args: args[6]),
+              pack_linear=lambda w_t: DualWeight.pack(w_t, linear_impls),
+              linear=_by_size([(bound, DualWeight.CALLS[impl]) for bound, impl in table.impls("linear")], rows),
+              pack_quant=lambda blocks: DualWeight.pack_quant(blocks, quant_impls),
+              quant_linear=_by_size([(bound, DualWeight.QUANT_CALLS[impl])
+                                     for bound, impl in table.impls("quant_linear")], rows))
+    # The compiled quantized matmul for every size: its own handles and call, no DualWeight
+    # indirection (a batch-1 decode step makes ~120 matmul calls).
+    if quant_impls == {"cpu"}:
+        ops = dataclasses.replace(ops, pack_quant=compiled.pack_quant, quant_linear=compiled.quant_linear)
+        if {impl for _, impl in table.impls("rms_norm")} == {"cpu"}:  # the fused op is both compiled ops
+            ops = dataclasses.replace(ops, norm_quant_linear=compiled.norm_quant_linear)
+    return ops
 
 
 @dataclass(frozen=True, slots=True)

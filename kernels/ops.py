@@ -12,6 +12,8 @@
     ops.linear(x, weight)                             -> x @ w_t
     ops.pack_quant(rows)                              -> handle of GGUF blocks (kernels.quant), once at load
     ops.quant_linear(x, handle)                       -> x @ the blocks' values, transposed
+    ops.norm_quant_linear(x, weight, eps, residual, handle) -> (quant_linear(rms_norm(x + residual)),
+                                                      x + residual) in one call; None: not fused
 
 'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' is
 the production fp32 CPU path: for each op and size class, whichever of the compiled kernel
@@ -48,6 +50,7 @@ class Ops:
     linear: Callable[[torch.Tensor, Any], torch.Tensor]
     pack_quant: Callable[..., Any] = pack_quant_ref  # default: the dequantize-then-matmul reference
     quant_linear: Callable[..., torch.Tensor] = quant_linear_ref
+    norm_quant_linear: Callable[..., Any] | None = None  # fused rms_norm + quant_linear, where compiled
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -111,9 +114,9 @@ def compiled_ops() -> Ops:
     from kernels.cpu import elementwise
     from kernels.cpu.attention import paged_attention
     from kernels.cpu.linear import linear, pack_weight
-    from kernels.quant_cpu import pack, quant_linear
+    from kernels.quant_cpu import pack, quant_linear, rms_norm_quant_linear
 
     return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
                silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
                paged_attention=paged_attention, pack_linear=pack_weight, linear=linear,
-               pack_quant=pack, quant_linear=quant_linear)
+               pack_quant=pack, quant_linear=quant_linear, norm_quant_linear=rms_norm_quant_linear)

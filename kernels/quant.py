@@ -138,3 +138,33 @@ def quant_linear_ref(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     from kernels.linear import linear_ref
 
     return linear_ref(x, w_t.to(x.device))
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, in] fp32 -> (xq int8 [M, in], dx fp32 [M, in / 32]): per block of 32 inputs
+    dx = max|x| / 127 and xq = round(x * (127 / max|x|)) (ties to even; 0 for an all-zero
+    block), all in fp32: bit for bit what the compiled kernel computes (llama.cpp's Q8 rounding).
+    Each input is off by at most dx / 2 = max|x| / 254: ``|x - dx * xq| <= dx / 2``."""
+    if x.dim() != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"x must be [M, in] with in a multiple of {BLOCK}, got {tuple(x.shape)}")
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=2)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = (blocks * inv[:, :, None]).round().to(torch.int8).reshape(x.shape)
+    return xq, amax / 127.0
+
+
+def quant_linear_int8_ref(x: torch.Tensor, rows: QuantRows) -> torch.Tensor:
+    """The compiled kernel's arithmetic in float64: x [M, in] quantized per block
+    (``quantize_activations_ref``) times the blocks' d * q, plus each block's offset m (4-bit)
+    times the exact sum of x over the block. -> [M, out] float64."""
+    xq, dx = quantize_activations_ref(x)
+    m_rows, nb = x.shape[0], rows.num_blocks
+    x_hat = (xq.double().reshape(m_rows, nb, BLOCK) * dx.double()[:, :, None]).reshape(x.shape)
+    if rows.format == "q8_0":
+        return x_hat @ dequantize(rows).double().t()
+    fused = to_q4_1(rows).blocks()
+    m = torch.from_numpy(np.array(fused[:, :, 2:4])).view(torch.float16).double().reshape(rows.out_features, nb)
+    scaled = dequantize(rows).double() - m.repeat_interleave(BLOCK, dim=1)  # d * q per input
+    xsum = x.double().reshape(m_rows, nb, BLOCK).sum(dim=2)
+    return x_hat @ scaled.t() + xsum @ m.t()

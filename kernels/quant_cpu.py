@@ -2,15 +2,27 @@
 
     handle = pack(rows)        # QuantRows (kernels.quant) -> panels, once at load
     y = quant_linear(x, handle)    # x [M, in] fp32 -> [M, out] fp32
+    y, residual_out = rms_norm_quant_linear(x, norm_weight, eps, residual, handle)   # fused
+
+``$PDSERVE_CPU_QUANT_ACTIVATIONS`` (read by ``pack``, so per weight at load):
+
+    int8   (default) x quantized to 8 bits per block of 32 inputs, integer dot products
+           (llama.cpp's arithmetic; ``kernels.quant.quant_linear_int8_ref``)
+    fp32   x kept in fp32: exactly the products of dequantize-then-matmul, in another order
+           (what the greedy-parity test against HF on the dequantized weights runs); slower
 
 ``pack`` repacks the file's blocks into column panels of the ISA's lane count (the C++ file
 documents the layout) without changing a byte of a scale or a quant: the weight's values are
-the file's. Bad arguments raise ValueError naming them. Importing this module builds the
+the file's. ``quant_linear`` quantizes each row of x to 8 bits per block of 32 inputs and sums
+integer products, as llama.cpp does (``kernels.quant.quant_linear_int8_ref`` is its exact
+reference; the error against the fp32 x is bounded there). Bad arguments raise ValueError
+naming them. Importing this module builds the
 library once per machine and raises ``kernels.cpu.CpuKernelsUnavailable`` if it cannot.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +33,19 @@ from kernels.quant import BLOCK, QuantRows, to_q4_1
 
 _ops = library("quant_linear")
 _quant_linear = _ops.quant_linear.default
+_rms_norm_quant_linear = _ops.rms_norm_quant_linear.default
 LANES = library("linear").linear_lanes()
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1}
+ACTIVATIONS_ENV = "PDSERVE_CPU_QUANT_ACTIVATIONS"
+ACTIVATIONS = ("int8", "fp32")
+
+
+def activations_mode() -> str:
+    """``$PDSERVE_CPU_QUANT_ACTIVATIONS`` or ``int8``; ValueError for an unknown value."""
+    mode = os.environ.get(ACTIVATIONS_ENV) or "int8"
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_ENV} must be one of {'|'.join(ACTIVATIONS)}, got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +56,7 @@ class PackedQuant:
     panels: torch.Tensor
     out_features: int
     format_id: int
+    exact: bool = False  # x in fp32 (True) or quantized to int8 per block
 
     @property
     def in_features(self) -> int:
@@ -43,8 +67,12 @@ class PackedQuant:
         return self.panels.numel()
 
 
-def pack(rows: QuantRows) -> PackedQuant:
-    """QuantRows -> the kernel's panel layout (4-bit as q4_1; the last panel zero-padded)."""
+def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
+    """QuantRows -> the kernel's panel layout (4-bit as q4_1; the last panel zero-padded), for
+    ``activations`` int8 or fp32 (None: ``activations_mode()``)."""
+    if activations not in (None, *ACTIVATIONS):
+        raise ValueError(f"activations must be one of {'|'.join(ACTIVATIONS)}, got {activations!r}")
+    exact = (activations or activations_mode()) == "fp32"
     if rows.format != "q8_0":
         rows = to_q4_1(rows)
     blocks = rows.blocks()  # [N, nb, bytes]
@@ -59,11 +87,22 @@ def pack(rows: QuantRows) -> PackedQuant:
         header, quants = per_lane[..., :4], per_lane[..., 4:]  # d m | 16 bytes
     # header: per lane (d[, m]) -> d for every lane, then m for every lane
     header = header.reshape(num_panels, nb, LANES, -1, 2).transpose(0, 1, 3, 2, 4)
-    quants = quants.transpose(0, 1, 3, 2)  # [P, nb, byte i, lane]
+    # quants: per lane 16 or 32 bytes -> groups of 4 bytes, each group's lanes side by side
+    quants = quants.reshape(num_panels, nb, LANES, -1, 4).transpose(0, 1, 3, 2, 4)  # [P, nb, group, lane, 4]
     panel = np.concatenate([header.reshape(num_panels, nb, -1), quants.reshape(num_panels, nb, -1)], axis=2)
-    return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS[rows.format])
+    return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS[rows.format], exact)
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant) -> torch.Tensor:
-    """x [M, in] fp32 (stride 1 in the last dim) -> [M, out] fp32."""
-    return _quant_linear(x, weight.panels, weight.out_features, weight.format_id)
+    """x [M, in] fp32 (stride 1 in the last dim) -> [M, out] fp32, x quantized to int8 per
+    block of 32 inputs (``kernels.quant.quant_linear_int8_ref``)."""
+    return _quant_linear(x, weight.panels, weight.out_features, weight.format_id, weight.exact)
+
+
+def rms_norm_quant_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                          handle: PackedQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quant_linear(rms_norm(x + residual) * weight), x + residual): ``kernels.cpu.elementwise``'s
+    rms_norm with a residual and then ``quant_linear``, bit for bit, in one call. x, residual:
+    [M, in] fp32; weight: [in]."""
+    return _rms_norm_quant_linear(x, residual, weight, eps, handle.panels, handle.out_features,
+                                  handle.format_id, handle.exact)

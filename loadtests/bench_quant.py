@@ -14,6 +14,10 @@ the streaming-read bound: the bytes one decode step reads (the model's ``weight_
 the machine's streaming-read bandwidth measured in the same run. With ``--llama-bench`` (a
 llama.cpp build: ``make peers-llama``), llama.cpp's ``llama-bench`` decodes the same GGUF file
 with as many threads, once per round between the formats, and its best rate joins the table.
+With ``--breakdown``, where one batch-1 decode step of each format goes: the layer matmuls and
+the LM head alone (the model's own calls replayed on its packed weights), the rest of the
+model's forward (attention, norms, rotary, Python), and the engine's step around it (scheduler,
+input building, sampler, detokenizer) as the measured step minus the forward and the head.
 Prints the CPU, its SIMD flags, the thread count and the load average (the machine may be shared).
 """
 
@@ -118,6 +122,44 @@ def _prefix(ours: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
 
 
+def step_breakdown(llm: LLM, step_seconds: float, context: int = 48, repeats: int = 30) -> str:
+    """One line: a batch-1 decode step's ``step_seconds`` split into the layer matmuls, the LM
+    head, the rest of the forward, and the engine around it (best of ``repeats`` each, ms)."""
+    runner = llm.engine.runner
+    model = runner.model
+    cfg = model.config
+    blocks = list(range(cdiv(context + 1, runner.block_size)))
+    model_input = build_model_input([ScheduledSeq([1], context, blocks)], runner.block_size)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    forward = best(lambda: model.forward(model_input.input_ids, model_input.positions, model_input.attn,
+                                         runner.kv_cache))
+    hidden = torch.randn(1, cfg.hidden_size)
+    head = best(lambda: model.compute_logits(hidden))
+    inter = torch.randn(1, cfg.intermediate_size)
+    attn_out = torch.randn(1, cfg.num_heads * cfg.head_dim)
+
+    def layer_matmuls() -> None:
+        for layer in model.layers:
+            model.linear(hidden, layer.qkv_weight)
+            model.linear(attn_out, layer.o_weight)
+            model.linear(hidden, layer.gate_up_weight)
+            model.linear(inter, layer.down_weight)
+
+    matmuls = best(layer_matmuls)
+    engine = step_seconds - forward - head
+    return (f"step {step_seconds * 1e3:.2f} ms = layer matmuls {matmuls * 1e3:.2f} + LM head {head * 1e3:.2f} "
+            f"+ rest of forward {(forward - matmuls) * 1e3:.2f} + engine step {engine * 1e3:.2f}")
+
+
 def llama_bench_rate(binary: str, model: str, num_tokens: int, num_threads: int) -> float:
     """llama.cpp's batch-1 decode tokens/s on ``model`` (llama-bench's tg test, best of 2)."""
     argv = [binary, "-m", model, "-p", "0", "-n", str(num_tokens), "-t", str(num_threads), "-r", "2",
@@ -177,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="split each format's decode step into matmuls, head, forward, engine")
     parser.add_argument("--llama-bench", default="",
                         help="llama.cpp's llama-bench binary: decode the same GGUF with it in each round")
     args = parser.parse_args(argv)
@@ -207,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         weight_bytes = llms[fmt].engine.runner.model.weight_bytes
         bound = read_bw / weight_bytes
         print(f"{fmt:<8}{weight_bytes / 1e6:>9.1f}{rate:>9.1f}{bound:>13.1f}{rate / bound:>10.2f}{rate / base:>9.2f}")
+    if args.breakdown:
+        for fmt in llms:
+            print(f"{fmt:<8}{step_breakdown(llms[fmt], 1.0 / rates[fmt])}")
     if "llama.cpp" in rates and "q4" in rates:
         print(f"q4 / llama.cpp: {rates['q4'] / rates['llama.cpp']:.2f}")
     print(f"load average (1/5/15 min) at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -100,6 +100,7 @@ class LlamaForCausalLM:
         weights = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         self.weight_bytes = _step_weight_bytes(weights)
         self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.norm_linear: Any = None  # fused rms_norm + matmul (Ops.norm_quant_linear) or None
         if quant_plan is None:
             # Tied embeddings: the LM head is a second, transposed copy (read once per step).
             self.lm_head = ops.pack_linear(weights.get("lm_head.weight", self.embed_tokens).t())
@@ -109,6 +110,7 @@ class LlamaForCausalLM:
 
             self.lm_head = ops.pack_quant(quant_plan[HEAD])
             self.linear = ops.quant_linear
+            self.norm_linear = ops.norm_quant_linear
             fp32_bytes = sum(t.numel() * t.element_size() for name, t in weights.items()
                              if name not in quant_plan and name != "model.embed_tokens.weight")
             self.weight_bytes = plan_bytes(quant_plan) + fp32_bytes
@@ -118,6 +120,7 @@ class LlamaForCausalLM:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+        self._kv_views: tuple[torch.Tensor, int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self.cos_sin_cache = build_cos_sin_cache(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
         ).to(self.device)
@@ -135,13 +138,9 @@ class LlamaForCausalLM:
         num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens[input_ids]
         residual = None
+        kv_views = self._layer_kv_views(kv_cache)
         for i, layer in enumerate(self.layers[:num_layers]):
-            if residual is None:
-                residual = hidden
-                x = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                x, residual = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = mm(x, layer.qkv_weight)
+            qkv, residual = self._norm_matmul(hidden, residual, layer.input_norm, layer.qkv_weight)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -149,16 +148,40 @@ class LlamaForCausalLM:
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             ops.rotary(q, k, positions, self.cos_sin_cache)
-            key_cache, value_cache = layer_kv(kv_cache, i)
+            key_cache, value_cache = kv_views[i]
             ops.store_kv(k, v, key_cache, value_cache, attn.slot_mapping)
             out = ops.paged_attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
                                       attn.cu_seqlens_q, attn.max_seqlen_q, self.scale)
             hidden = mm(out.reshape(num_tokens, self.q_size), layer.o_weight)
-            x, residual = ops.rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps, residual)
-            hidden = mm(ops.silu_and_mul(mm(x, layer.gate_up_weight)), layer.down_weight)
+            gate_up, residual = self._norm_matmul(hidden, residual, layer.post_attention_norm,
+                                                  layer.gate_up_weight)
+            hidden = mm(ops.silu_and_mul(gate_up), layer.down_weight)
         normed: torch.Tensor
         normed, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return normed
+
+    def _norm_matmul(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
+                     weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(hidden + residual) @ weight, hidden + residual); residual None: no add.
+        One fused call where the backend has it (``Ops.norm_quant_linear``)."""
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            return self.linear(self.ops.rms_norm(hidden, norm, eps), weight), hidden
+        if self.norm_linear is not None:
+            out: tuple[torch.Tensor, torch.Tensor] = self.norm_linear(hidden, norm, eps, residual, weight)
+            return out
+        x, residual = self.ops.rms_norm(hidden, norm, eps, residual)
+        return self.linear(x, weight), residual
+
+    def _layer_kv_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (key, value) views of ``kv_cache``, built once per cache tensor: a
+        step would otherwise build 2 x num_layers views (a few microseconds each at batch 1)."""
+        cached = self._kv_views
+        if cached is None or cached[0] is not kv_cache or cached[1] != kv_cache.data_ptr():
+            cached = (kv_cache, kv_cache.data_ptr(),
+                      [layer_kv(kv_cache, i) for i in range(self.config.num_layers)])
+            self._kv_views = cached
+        return cached[2]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

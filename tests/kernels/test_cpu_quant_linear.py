@@ -1,11 +1,22 @@
-"""The compiled quantized linear (Q8_0, Q4_0, Q4_1) against dequantize-then-matmul in float64.
+"""The compiled quantized linear (Q8_0, Q4_0, Q4_1) against its exact reference and against
+dequantize-then-matmul in float64.
 
-The kernel multiplies the file's exact values (d * q [+ m]) in another order than the oracle, so
-the only difference is fp32 rounding of the sums: with weights of scale in^-0.5 and unit x,
-|error| <= 1e-4 absolute + 1e-4 relative at every shape here (the largest in = 1536). Also: the
-torch dequantizer equals gguf's (llama.cpp's) bit for bit, Q4_0 -> Q4_1 is exact, every row tail
-and a last panel narrower than the vector width, prefill-sized M, a strided x, zero rows, and bad
-arguments raising ValueError that names them."""
+By default the kernel quantizes x to int8 per block of 32 inputs and sums integer products
+(llama.cpp's scheme); with activations "fp32" it multiplies the file's exact values by the fp32 x.
+Every case runs both:
+
+- fp32 x against dequantize-then-matmul in float64: only the fp32 rounding of the sums differs,
+  so |error| <= 1e-4 absolute + 1e-4 relative at every shape here;
+- int8 x against ``quant_linear_int8_ref`` (the same quantized x, the same values, in float64):
+  again only fp32 rounding, the same 1e-4 (weights of scale in^-0.5, unit x, in <= 1536);
+- int8 x against dequantize-then-matmul of the fp32 x: each input is off by at most
+  dx / 2 = max|x over its block| / 254, so |y - x @ W| <= sum over blocks b of
+  (dx_b / 2) * sum_{k in b} |W[k, n]|, plus the same 1e-4 for the fp32 sums. That bound is what
+  int8 activations cost; it is checked per element.
+
+Also: the torch dequantizer equals gguf's (llama.cpp's) bit for bit, Q4_0 -> Q4_1 is exact,
+every row tail and a last panel narrower than the vector width, prefill-sized M, a strided x,
+zero rows and all-zero blocks, and bad arguments raising ValueError that names them."""
 
 from __future__ import annotations
 
@@ -16,10 +27,21 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from kernels.cpu import CpuKernelsUnavailable
-from kernels.quant import FORMATS, QuantRows, cat_rows, dequantize, quantize, to_q4_1
+from kernels.quant import (
+    BLOCK,
+    FORMATS,
+    QuantRows,
+    cat_rows,
+    dequantize,
+    quant_linear_int8_ref,
+    quantize,
+    quantize_activations_ref,
+    to_q4_1,
+)
 
 try:
-    from kernels.quant_cpu import LANES, pack, quant_linear
+    from kernels.cpu import elementwise
+    from kernels.quant_cpu import LANES, pack, quant_linear, rms_norm_quant_linear
 except CpuKernelsUnavailable as exc:
     pytest.skip(f"compiled CPU kernels unavailable: {exc}", allow_module_level=True)
 
@@ -36,10 +58,21 @@ def _rows(n, k, fmt, seed=1):
 
 
 def _check(x, rows):
-    y = quant_linear(x, pack(rows))
-    expected = (x.double() @ dequantize(rows).double().t()).float()
+    """Both activation modes: fp32 x against dequantize-then-matmul, int8 x against its exact
+    reference and the rounding bound."""
+    expected = x.double() @ dequantize(rows).double().t()
+    y = quant_linear(x, pack(rows, "fp32"))
     assert y.shape == expected.shape and y.dtype == torch.float32
-    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, expected.float(), atol=1e-4, rtol=1e-4)
+
+    y = quant_linear(x, pack(rows, "int8"))
+    assert y.shape == expected.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y, quant_linear_int8_ref(x, rows).float(), atol=1e-4, rtol=1e-4)
+    _, dx = quantize_activations_ref(x)
+    w_abs = dequantize(rows).double().abs().reshape(rows.out_features, -1, BLOCK).sum(dim=2)  # [out, nb]
+    bound = (dx.double() / 2) @ w_abs.t() + 1e-4
+    error = (y.double() - expected).abs()
+    assert bool((error <= bound).all()), f"max error / bound {float((error / bound).max()):.3f}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -79,6 +112,50 @@ def test_model_shapes_prefill_sized_and_strided_x(fmt):
 
 def test_zero_rows():
     assert quant_linear(torch.empty(0, 32), pack(_rows(4, 32, "q4_1"))).shape == (0, 4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_zero_blocks_and_tiny_values(fmt):
+    x = _randn(3, 96)
+    x[0, 32:64] = 0.0  # dx = 0: that block contributes only its (zero) offset term
+    x[1] *= 1e-30  # dx near fp32's smallest normals
+    x[2, :32] = 0.0
+    _check(x, _rows(2 * LANES + 1, 96, fmt))
+
+
+@pytest.mark.parametrize("activations", ["int8", "fp32"])
+@pytest.mark.parametrize("m", [1, 3, 70])
+def test_fused_rms_norm_quant_linear_equals_the_two_ops_bit_for_bit(activations, m):
+    x, residual, norm = _randn(m, 96, seed=7), _randn(m, 96, seed=8), torch.rand(96) + 0.5
+    handle = pack(_rows(2 * LANES + 5, 96, "q4_1"), activations)
+    y, residual_out = rms_norm_quant_linear(x, norm, 1e-5, residual, handle)
+    normed, expected_residual = elementwise.rms_norm(x, norm, 1e-5, residual)
+    assert torch.equal(residual_out, expected_residual)
+    assert torch.equal(y, quant_linear(normed, handle))
+
+
+def test_fused_rms_norm_quant_linear_names_bad_arguments():
+    handle = pack(_rows(LANES, 64, "q8_0"))
+    x = _randn(2, 64)
+    with pytest.raises(ValueError, match="residual has shape"):
+        rms_norm_quant_linear(x, torch.ones(64), 1e-5, _randn(3, 64), handle)
+    with pytest.raises(ValueError, match=r"weight must be a contiguous float32 \[64\]"):
+        rms_norm_quant_linear(x, torch.ones(32), 1e-5, x, handle)
+    with pytest.raises(ValueError, match="x must be a 2-d float32"):
+        rms_norm_quant_linear(x.double(), torch.ones(64), 1e-5, x, handle)
+
+
+def test_the_mode_comes_from_the_environment_at_pack_time(monkeypatch):
+    rows = _rows(LANES, 64, "q4_1")
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_ACTIVATIONS", "fp32")
+    assert pack(rows).exact
+    monkeypatch.delenv("PDSERVE_CPU_QUANT_ACTIVATIONS")
+    assert not pack(rows).exact
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_QUANT_ACTIVATIONS must be one of int8|fp32"):
+        pack(rows)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        pack(rows, "bf16")
 
 
 def test_bad_arguments_name_what_is_wrong():

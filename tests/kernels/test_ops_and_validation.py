@@ -44,11 +44,12 @@ def test_get_ops_tables():
     assert triton_ops.paged_attention is paged_attention and triton_ops.store_kv is store_kv
     assert {f.name for f in dataclasses.fields(Ops)} == {
         "rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "pack_linear", "linear",
-        "pack_quant", "quant_linear"}
+        "pack_quant", "quant_linear", "norm_quant_linear"}
     from kernels.quant import quant_linear_ref
     from kernels.quant_triton import quant_linear
 
     assert torch_ops.quant_linear is quant_linear_ref and triton_ops.quant_linear is quant_linear
+    assert torch_ops.norm_quant_linear is None and triton_ops.norm_quant_linear is None  # not fused
     with pytest.raises(dataclasses.FrozenInstanceError):
         torch_ops.rms_norm = None
     with pytest.raises(ValueError, match="backend"):
