@@ -246,7 +246,8 @@ class DisaggregatedBackend(Backend):
         try:
             prefill, decode, prefill_call, response = await self._start_prefill(
                 request_id, prompt, proto_params, plan)
-            on_prefill = prefill.begin(prefill_tokens=len(prompt))
+            on_prefill = prefill.begin(prefill_tokens=len(prompt),
+                                       blocks=cdiv(len(prompt), prefill.stats.block_size or 16))
             on_decode = decode.begin(blocks=cdiv(len(prompt), decode.stats.block_size or 16))
             while response.WhichOneof("event") != "first_token":
                 if response.WhichOneof("event") == "reservation":

@@ -23,6 +23,10 @@
 * ``remote`` otherwise: the prefill worker by ``prefix_policy.choose_worker`` (reason
   ``prefix`` / ``load`` / ``imbalance``), or by load alone when the index gave no answer
   (reason ``index_unavailable``). The decode worker's cached blocks are not sent (delta).
+  Prefill workers without free blocks for what they would allocate (the prompt's blocks less
+  those they hold on device) are skipped unless none has room: a prefill worker holds a
+  prompt's blocks until its KV is pushed, so a second prompt that does not fit preempts the
+  first (both start over), which costs more than any cache credit saves.
 
 Matches are per index worker id; a worker the index does not list counts as holding nothing.
 ``local_prefill_max_tokens = 0`` turns local prefill off.
@@ -146,7 +150,9 @@ def plan_route(num_prompt_tokens: int, block_size: int, prefill: Sequence[Worker
     if prefill:
         if prefill_candidates is None:
             prefill_candidates = [prefill_candidate(w, (matches or {}).get(w.worker_id)) for w in prefill]
-        pick = choose_worker(prefill_candidates, block_size, num_prompt_tokens, config.scoring)
+        room = [c for w, c in zip(prefill, prefill_candidates)
+                if w.num_free_blocks >= needed - c.num_device_blocks]
+        pick = choose_worker(room or prefill_candidates, block_size, num_prompt_tokens, config.scoring)
     if config.local_prefill_max_tokens > 0:
         confirmed = (matches or {}).get(target.worker_id)
         num_confirmed = _held_tokens(*_match_blocks(confirmed), block_size, num_prompt_tokens)

@@ -95,10 +95,14 @@ def test_a_burst_on_a_new_prefix_sticks_before_events_arrive(redis_server, index
         second = asyncio.run(policy.plan("b", fresh, GREEDY, busier, DECODE))
         assert first.prefill_address == second.prefill_address == "127.0.0.1:p0"
         assert second.reason == "prefix"
-        # ... and the decode worker that got it now counts as holding it: local prefill
+        # ... and the decode worker that got it is picked again (it will hold the prefix), but
+        # the suffix is not prefilled there until the index confirms the blocks landed: they
+        # may still be computing or in transfer (route_plan's module docstring)
         policy.config = RouteConfig(local_prefill_max_tokens=8)
         third = asyncio.run(policy.plan("c", fresh, GREEDY, PREFILL, DECODE))
-        assert (third.path, third.decode_address) == ("local", first.decode_address)
+        assert (third.path, third.decode_address, third.prefill_address) == (
+            "remote", first.decode_address, "127.0.0.1:p0")
+        assert third.num_decode_cached_tokens == len(fresh)  # predicted there: not sent again
     finally:
         policy.close()
 

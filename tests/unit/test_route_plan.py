@@ -143,6 +143,20 @@ def test_a_decode_worker_without_room_is_skipped():
     assert plan.decode_address == "127.0.0.1:d1"
 
 
+def test_a_prefill_worker_without_room_for_the_prompt_is_skipped():
+    # p0 holds 30 of the 64 blocks but has 10 free: the other 34 would preempt what it runs
+    prefill = [load("p0", free=10), load("p1", free=90)]
+    matches = {"p0": match("p0", device=30)}
+    plan = plan_route(1024, BS, prefill, DECODE, matches)
+    assert (plan.path, plan.prefill_address) == ("remote", "127.0.0.1:p1")
+    # with 34 free it fits (its 30 cached blocks are reused): the credit wins again
+    prefill = [load("p0", free=34), load("p1", free=90)]
+    assert plan_route(1024, BS, prefill, DECODE, matches).prefill_address == "127.0.0.1:p0"
+    # no prefill worker has room: all are candidates, the cheapest is picked
+    prefill = [load("p0", free=10), load("p1", free=5)]
+    assert plan_route(1024, BS, prefill, DECODE, matches).prefill_address == "127.0.0.1:p0"
+
+
 def test_no_workers_no_plan_and_bad_config_is_refused():
     assert plan_route(100, BS, PREFILL, [], None) is None
     assert plan_route(1024, BS, [], DECODE, None) is None  # remote needed, no prefill worker
