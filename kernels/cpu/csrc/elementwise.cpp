@@ -91,22 +91,6 @@ void with_index_data(const at::Tensor& t, Fn&& fn) {
   else fn(t.const_data_ptr<int32_t>());
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight for one row of n floats.
-void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
-  vfloat acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vfloat v = vload(x + i);
-    acc += v * v;
-  }
-  float sum_squares = vsum(acc);
-  for (; i < n; ++i) sum_squares += x[i] * x[i];
-  const float inv_rms = 1.f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
-  const vfloat inv = vsplat(inv_rms);
-  for (i = 0; i + kLanes <= n; i += kLanes) vstore(out + i, vload(x + i) * inv * vload(weight + i));
-  for (; i < n; ++i) out[i] = x[i] * inv_rms * weight[i];
-}
-
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight) {
   check_tensor("x", x, {-1, -1}, Kind::kFloat32);
   check_tensor("weight", weight, {x.size(1)}, Kind::kFloat32);

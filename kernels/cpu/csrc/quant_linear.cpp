@@ -444,23 +444,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   return out;
 }
 
-// elementwise.cpp's rms_norm_row, the same arithmetic in the same order (the fused op below must
-// give the unfused pair's values bit for bit)
-void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
-  vfloat acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vfloat v = vload(x + i);
-    acc += v * v;
-  }
-  float sum_squares = vsum(acc);
-  for (; i < n; ++i) sum_squares += x[i] * x[i];
-  const float inv_rms = 1.f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
-  const vfloat inv = vsplat(inv_rms);
-  for (i = 0; i + kLanes <= n; i += kLanes) vstore(out + i, vload(x + i) * inv * vload(weight + i));
-  for (; i < n; ++i) out[i] = x[i] * inv_rms * weight[i];
-}
-
 // residual_out = x + residual; y = quant_linear(rms_norm(residual_out) * weight): the layer's
 // norm and the matmul after it in one call (a decode step makes 2 per layer). Returns
 // (y, residual_out); the same values as elementwise.rms_norm_residual then quant_linear.

@@ -13,6 +13,8 @@
 #endif
 
 #include <array>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -131,6 +133,24 @@ inline float vmax_lane(vfloat v) {
     v = v > other ? v : other;
   }
   return v[0];
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight for one row of n floats. One definition for every
+// kernel that normalizes (elementwise.cpp's rms_norm, quant_linear.cpp's fused norm + matmul),
+// so the fused op gives the unfused pair's values bit for bit.
+inline void rms_norm_row(const float* x, const float* weight, float* out, int64_t n, float eps) {
+  vfloat acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vfloat v = vload(x + i);
+    acc += v * v;
+  }
+  float sum_squares = vsum(acc);
+  for (; i < n; ++i) sum_squares += x[i] * x[i];
+  const float inv_rms = 1.f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
+  const vfloat inv = vsplat(inv_rms);
+  for (i = 0; i + kLanes <= n; i += kLanes) vstore(out + i, vload(x + i) * inv * vload(weight + i));
+  for (; i < n; ++i) out[i] = x[i] * inv_rms * weight[i];
 }
 
 }  // namespace pdserve
