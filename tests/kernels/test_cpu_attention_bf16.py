@@ -27,6 +27,7 @@ except CpuKernelsUnavailable as exc:  # no C++ compiler here: the engine falls b
 
 from kernels.cpu import elementwise  # noqa: E402
 from kernels.cpu.attention import paged_attention  # noqa: E402
+from tests.kernels.test_cpu_kv_quant import paged_case_args  # noqa: E402
 
 VS_FP32_ATOL = 0.02
 # decode, prefill chunks on a prefix (the multi-query step), whole prompts, spec verification
@@ -50,17 +51,7 @@ def _case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim=64, block_size
     num_blocks = sum(blocks_per_seq) + 3
     values = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, generator=gen)
     cache = values.bfloat16()
-    ids = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = ids[used:used + n]
-        block_tables[i, n + 1] = 10**6
-        used += n
-    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    query = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen)
-    rest = (block_tables, torch.tensor(seq_lens, dtype=torch.int32), cu, max(query_lens), head_dim ** -0.5)
-    return ((query, cache[:, 1, 0], cache[:, 1, 1], *rest), (query, values[:, 1, 0], values[:, 1, 1], *rest))
+    return paged_case_args(values, cache, seq_lens, query_lens, blocks_per_seq, num_heads, head_dim, gen)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

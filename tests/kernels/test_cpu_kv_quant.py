@@ -92,7 +92,13 @@ def _case(seq_lens, query_lens, num_heads, num_kv_heads, dtype, head_dim=64, blo
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     values, cache = _quantized_cache(num_blocks, 3, block_size, num_kv_heads, head_dim, dtype, seed)
-    ids = torch.randperm(num_blocks, generator=gen)
+    return paged_case_args(values, cache, seq_lens, query_lens, blocks_per_seq, num_heads, head_dim, gen)
+
+
+def paged_case_args(values, cache, seq_lens, query_lens, blocks_per_seq, num_heads, head_dim, gen):
+    """Attention arguments over ``cache`` and over ``values`` (its unquantized original, same
+    layout): layer-1 strided views, shuffled block ids, junk past each sequence's last block."""
+    ids = torch.randperm(values.shape[0], generator=gen)
     block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
     used = 0
     for i, n in enumerate(blocks_per_seq):
