@@ -77,18 +77,24 @@ def test_greedy_one_by_one_equals_hf(llm, prompts, hf_greedy):
     llm.engine.check_integrity()
 
 
+def prefill_logits(llm: LLM, hf_model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, HF's) logits at every position of one prefill of ``ids``."""
+    runner = llm.engine.runner
+    num_blocks = cdiv(len(ids), runner.block_size)
+    model_input = build_model_input(
+        [ScheduledSeq(ids, 0, list(range(num_blocks)), num_logits=len(ids))], runner.block_size)
+    hidden = runner.model.forward(model_input.input_ids, model_input.positions,
+                                  model_input.attn, runner.kv_cache)
+    ours = runner.model.compute_logits(hidden[model_input.logits_indices])
+    with torch.inference_mode():
+        theirs = hf_model(torch.tensor([ids])).logits[0].float()
+    return ours, theirs
+
+
 def assert_prefill_logits_match_hf(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
     """Every position's logits of the first and the last prompt's prefill within 1e-3 of HF's."""
-    runner = llm.engine.runner
     for ids in (prompts[0], prompts[-1]):
-        num_blocks = cdiv(len(ids), runner.block_size)
-        model_input = build_model_input(
-            [ScheduledSeq(ids, 0, list(range(num_blocks)), num_logits=len(ids))], runner.block_size)
-        hidden = runner.model.forward(model_input.input_ids, model_input.positions,
-                                      model_input.attn, runner.kv_cache)
-        ours = runner.model.compute_logits(hidden[model_input.logits_indices])
-        with torch.inference_mode():
-            theirs = hf_model(torch.tensor([ids])).logits[0].float()
+        ours, theirs = prefill_logits(llm, hf_model, ids)
         assert (ours - theirs).abs().max().item() < 1e-3
 
 

@@ -26,12 +26,11 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.mathutils import cdiv
-from engine.runner.inputs import ScheduledSeq, build_model_input
 from tests.integration.test_parity_hf import (  # noqa: F401  (fixtures)
     GREEDY,
     assert_prefill_logits_match_hf,
     hf_greedy,
+    prefill_logits,
     prompts,
 )
 
@@ -95,15 +94,7 @@ def llm_q4_int8(loaded_model):
 
 def _prefill_agreement(llm: LLM, hf_model, ids: list[int]) -> tuple[float, float]:
     """(top-1 agreement, mean |logit error|) with HF over every prefill position of ``ids``."""
-    runner = llm.engine.runner
-    num_blocks = cdiv(len(ids), runner.block_size)
-    model_input = build_model_input(
-        [ScheduledSeq(ids, 0, list(range(num_blocks)), num_logits=len(ids))], runner.block_size)
-    hidden = runner.model.forward(model_input.input_ids, model_input.positions,
-                                  model_input.attn, runner.kv_cache)
-    ours = runner.model.compute_logits(hidden[model_input.logits_indices])
-    with torch.inference_mode():
-        theirs = hf_model(torch.tensor([ids])).logits[0].float()
+    ours, theirs = prefill_logits(llm, hf_model, ids)
     top1 = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     return top1, (ours - theirs).abs().mean().item()
 
