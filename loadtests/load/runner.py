@@ -55,7 +55,8 @@ async def run_load(base_url: str, model: str, requests: Sequence[RequestSpec], a
     bar = tqdm(total=len(requests), desc=arrival.label, unit="req", disable=not progress, leave=False)
     # One connection per request: a server that closes kept-alive connections on its own terms
     # (llama.cpp's llama-server) otherwise fails requests sent on a connection it just closed
-    # ("Can not write request body", "Server disconnected"); a loopback connect costs ~0.1 ms.
+    # ("Can not write request body", "Server disconnected"). The extra loopback connect per
+    # request is the same for every target (not measured separately).
     connector = aiohttp.TCPConnector(limit=limit, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         semaphore = asyncio.Semaphore(limit)
