@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -179,7 +180,26 @@ def measured_ops(table: Calibration):
         ops = dataclasses.replace(ops, pack_quant=compiled.pack_quant, quant_linear=compiled.quant_linear)
         if {impl for _, impl in table.impls("rms_norm")} == {"cpu"}:  # the fused op is both compiled ops
             ops = dataclasses.replace(ops, norm_quant_linear=compiled.norm_quant_linear)
+        # The one-call layer stack makes the compiled calls: it serves the steps whose every op
+        # the compiled kernel won (attention's class is its longest query, at most the step's rows).
+        limit = min(compiled_up_to(table, op) for op in STACK_OPS)
+        if limit > 0:
+            ops = dataclasses.replace(ops, decoder_stack=compiled.decoder_stack, stack_max_tokens=limit)
     return ops
+
+
+STACK_OPS = ("rms_norm", "rotary", "store_kv", "silu_and_mul", "paged_attention")
+
+
+def compiled_up_to(table: Calibration, op: str) -> int:
+    """The largest size up to which every class of ``op`` is served by the compiled kernel
+    (0: not even the smallest; ``sys.maxsize``: every size)."""
+    limit = 0
+    for bound, impl in table.impls(op):
+        if impl != "cpu":
+            return limit
+        limit = sys.maxsize if bound == float("inf") else int(bound)
+    return limit
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,9 @@
     ops.quant_linear(x, handle)                       -> x @ the blocks' values, transposed
     ops.norm_quant_linear(x, weight, eps, residual, handle) -> (quant_linear(rms_norm(x + residual)),
                                                       x + residual) in one call; None: not fused
+    ops.decoder_stack(model)                          -> the model's layers as one compiled call
+                                                      (quantized weights), or None; serves steps
+                                                      of up to ops.stack_max_tokens tokens
 
 'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' is
 the production fp32 CPU path: for each op and size class, whichever of the compiled kernel
@@ -27,6 +30,7 @@ docstring.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +55,10 @@ class Ops:
     pack_quant: Callable[..., Any] = pack_quant_ref  # default: the dequantize-then-matmul reference
     quant_linear: Callable[..., torch.Tensor] = quant_linear_ref
     norm_quant_linear: Callable[..., Any] | None = None  # fused rms_norm + quant_linear, where compiled
+    # model -> its layers in one compiled call (kernels.cpu.decoder_stack.build), or None; used for
+    # steps of at most stack_max_tokens tokens (where every op of the step is the compiled one)
+    decoder_stack: Callable[..., Any] | None = None
+    stack_max_tokens: int = 0
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -113,10 +121,12 @@ def compiled_ops() -> Ops:
     """The compiled CPU kernels for every op (``$PDSERVE_CPU_ISA``)."""
     from kernels.cpu import elementwise
     from kernels.cpu.attention import paged_attention
+    from kernels.cpu.decoder_stack import build as build_stack
     from kernels.cpu.linear import linear, pack_weight
     from kernels.quant_cpu import pack, quant_linear, rms_norm_quant_linear
 
     return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
                silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
                paged_attention=paged_attention, pack_linear=pack_weight, linear=linear,
-               pack_quant=pack, quant_linear=quant_linear, norm_quant_linear=rms_norm_quant_linear)
+               pack_quant=pack, quant_linear=quant_linear, norm_quant_linear=rms_norm_quant_linear,
+               decoder_stack=build_stack, stack_max_tokens=sys.maxsize)

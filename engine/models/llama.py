@@ -7,7 +7,10 @@ handful of kernels per layer with q/k/v and gate/up fused into one matmul each.
 
 With a quantization plan (``engine/models/quant_weights.py``: GGUF blocks per matmul weight)
 every layer matmul and the LM head run on the blocks (``ops.pack_quant``/``ops.quant_linear``);
-the embedding, norms and biases stay fp32 (the embedding is read one row per token).
+the embedding, norms and biases stay fp32 (the embedding is read one row per token). Where the
+op table has it (``Ops.decoder_stack``: compiled CPU kernels and quantized weights), a step of
+up to ``Ops.stack_max_tokens`` tokens runs the layers in one compiled call that makes the same
+kernel calls as the loop below (``kernels/cpu/decoder_stack.py``; bit for bit the same result).
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ class LlamaForCausalLM:
         self.cos_sin_cache = build_cos_sin_cache(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
         ).to(self.device)
+        # The layers as one compiled call for short steps (kernels.cpu.decoder_stack), or None.
+        self.stack: Any = ops.decoder_stack(self) if ops.decoder_stack is not None else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -137,6 +142,10 @@ class LlamaForCausalLM:
         mm = self.linear
         num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens[input_ids]
+        if (self.stack is not None and num_tokens <= ops.stack_max_tokens
+                and attn.max_seqlen_q <= self.stack.max_query_len):
+            out: torch.Tensor = self.stack.forward(hidden, positions, attn, kv_cache, num_layers)
+            return out
         residual = None
         kv_views = self._layer_kv_views(kv_cache)
         for i, layer in enumerate(self.layers[:num_layers]):

@@ -125,3 +125,20 @@ def test_unknown_isa_is_refused(monkeypatch):
         cpu.default_isa()
     with pytest.raises((ValueError, CpuKernelsUnavailable)):
         cpu.library("linear", "sse9")
+
+
+def test_the_layer_stack_serves_only_steps_whose_every_op_is_compiled():
+    import sys
+
+    # quant_linear compiled everywhere; attention compiled up to its 128-row class, rms_norm
+    # everywhere, the others up to their 256-row class: the stack takes steps of <= 128 tokens
+    small_ops = {"rotary", "store_kv", "silu_and_mul"}
+    table = _table(lambda op, i: "cpu" if op in ("quant_linear", "rms_norm") or (op == "paged_attention" and i < 3)
+                   or (op in small_ops and i < 2) else "torch")
+    assert cal.compiled_up_to(table, "paged_attention") == 128
+    assert cal.compiled_up_to(table, "rms_norm") == sys.maxsize
+    ops = cal.measured_ops(table)
+    assert ops.decoder_stack is not None and ops.stack_max_tokens == 128
+    # torch's attention even at batch-1 decode: no stack
+    table = _table(lambda op, i: "torch" if op == "paged_attention" and i == 0 else "cpu")
+    assert cal.measured_ops(table).decoder_stack is None
