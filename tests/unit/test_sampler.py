@@ -341,3 +341,15 @@ def test_prompt_logprobs():
         assert pos.rank == int((want[t] > want[t, token]).sum()) + 1
         assert [i for i, _ in pos.top] == want[t].topk(2).indices.tolist()
     assert compute_prompt_logprobs(logits, next_ids, 0, include_first=False)[0].top == []
+
+
+def test_row_argmax_is_argmax_including_ties():
+    from engine.sampling.sampler import row_argmax
+
+    logits = torch.randn(6, 49152)
+    logits[1, [7, 300, 49151]] = 1e4  # ties: the first wins
+    logits[2] = 0.0
+    logits[3, -1] = 1e4
+    logits[4, :5] = float("-inf")
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+    assert row_argmax(logits)[1] == 7 and row_argmax(logits)[2] == 0
