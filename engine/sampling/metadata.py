@@ -188,6 +188,15 @@ def _on(device: torch.device | str) -> Callable[[Sequence[object], torch.dtype],
     return tensor
 
 
+def takes_argmax(p: SamplingParams, output: Sequence[int], eos_token_ids: Sequence[int]) -> bool:
+    """Whether a row's sample is the argmax of its raw logits and nothing else is asked of them:
+    greedy, no logprobs, and no processor that would change them now (penalties, logit_bias,
+    allowed_token_ids, a banned token). A batch of such rows needs no metadata (the sampler's
+    result would be ``row_argmax`` of the logits)."""
+    return (p.is_greedy and p.logprobs is None and not p.has_penalties and not p.logit_bias
+            and p.allowed_token_ids is None and not _banned_token_ids(p, output, eos_token_ids))
+
+
 def _banned_token_ids(p: SamplingParams, output: Sequence[int],
                       eos_token_ids: Sequence[int]) -> list[int]:
     """Tokens this row may not sample now: a bad word's last token when the output ends with

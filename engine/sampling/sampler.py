@@ -55,6 +55,14 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """[B, V] -> each row's ``row_argmax``, or None when some row has no finite maximum (the
+    full sampler then raises, naming the request). What ``Sampler`` returns for rows that
+    ``metadata.takes_argmax``, without building their metadata."""
+    values, indices = logits.max(dim=-1)
+    return indices.tolist() if bool(torch.isfinite(values).all()) else None
+
+
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution each row samples from: [B, V] fp32, after every processor.
 

@@ -14,16 +14,13 @@ raises ``kernels.cpu.CpuKernelsUnavailable`` if it cannot.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kernels.cpu import default_isa, library, namespace
 from kernels.cpu.attention import LONG_QUERY_THRESHOLD
 from kernels.quant_cpu import PackedQuant
-
-if TYPE_CHECKING:
-    from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 
 for _name in ("elementwise", "attention", "quant_linear", "decoder_stack"):  # the stack finds their ops
     library(_name)
@@ -38,9 +35,10 @@ class DecoderStack:
         self._handle = handle
         self._forward = handle.forward
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: Any,
                 kv_cache: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        """hidden: the embedding rows [T, hidden]. Returns the final-norm rows [T, hidden].
+        """hidden: the embedding rows [T, hidden]; attn: the step's
+        ``engine.models.llama.AttentionMetadata``. Returns the final-norm rows [T, hidden].
         ValueError when a sequence's query is longer than the compiled attention takes."""
         if attn.max_seqlen_q > LONG_QUERY_THRESHOLD:
             raise ValueError(f"the decoder stack takes queries up to {LONG_QUERY_THRESHOLD} tokens, "
@@ -50,8 +48,9 @@ class DecoderStack:
                              -1 if num_layers is None else num_layers, LONG_QUERY_THRESHOLD)
 
 
-def build(model: LlamaForCausalLM) -> DecoderStack | None:
-    """The compiled stack of ``model``'s layers, or None when a layer matmul weight is not a
+def build(model: Any) -> DecoderStack | None:
+    """The compiled stack of ``model``'s layers (an ``engine.models.llama.LlamaForCausalLM``,
+    read by attribute: kernels/ imports nothing from engine/), or None when a layer matmul weight is not a
     compiled quantized one (``kernels.quant_cpu.PackedQuant``)."""
     weights = [w for layer in model.layers
                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]

@@ -353,3 +353,27 @@ def test_row_argmax_is_argmax_including_ties():
     logits[4, :5] = float("-inf")
     assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
     assert row_argmax(logits)[1] == 7 and row_argmax(logits)[2] == 0
+
+
+def test_argmax_rows_is_the_samplers_greedy_result_and_defers_non_finite_rows():
+    from engine.sampling.metadata import takes_argmax
+    from engine.sampling.sampler import argmax_rows
+
+    logits = torch.randn(3, 100)
+    logits[1, [4, 9]] = 50.0  # a tie: the first
+    greedy = SamplingParams(temperature=0.0)
+    metadata = SamplingMetadata.from_requests([greedy] * 3, [[1]] * 3, [[2]] * 3, None, 100)
+    assert argmax_rows(logits) == Sampler()(logits, metadata).sampled_token_ids.tolist()
+    logits[2, 0] = float("nan")
+    assert argmax_rows(logits) is None
+    logits[2] = float("-inf")
+    assert argmax_rows(logits) is None
+    # which rows qualify: greedy and nothing that touches the logits or asks for logprobs
+    assert takes_argmax(greedy, [1], eos_token_ids=[0])
+    for params, output in ((SamplingParams(temperature=0.5), [1]), (SamplingParams(temperature=0.0, logprobs=2), [1]),
+                           (SamplingParams(temperature=0.0, repetition_penalty=1.2), [1]),
+                           (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), [1]),
+                           (SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]), [1]),
+                           (SamplingParams(temperature=0.0, min_tokens=4), [1])):
+        assert not takes_argmax(params, output, eos_token_ids=[0]), params
+    assert takes_argmax(SamplingParams(temperature=0.0, min_tokens=1), [1], eos_token_ids=[0])
