@@ -64,6 +64,7 @@ def build(model: Any) -> DecoderStack | None:
     cls = getattr(torch.classes, namespace(default_isa())).DecoderStack
     handle = cls([w.panels for w in weights], [w.out_features for w in weights],
                  [w.format_id for w in weights], [int(w.exact) for w in weights],
-                 [*norms, model.norm], [b for b in biases if b is not None], model.cos_sin_cache,
+                 [*norms, model.norm], [b for b in biases if b is not None],
+                 [model.lm_head.panels] if isinstance(model.lm_head, PackedQuant) else [], model.cos_sin_cache,
                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
     return DecoderStack(handle)

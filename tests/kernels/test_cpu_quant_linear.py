@@ -172,3 +172,21 @@ def test_bad_arguments_name_what_is_wrong():
         QuantRows("q8_0", np.zeros((2, 34), dtype=np.uint8), 64)
     with pytest.raises(ValueError, match="format must be one of"):
         QuantRows("q5_k", np.zeros((2, 34), dtype=np.uint8), 32)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_prefetching_the_next_weight_changes_no_result(m):
+    from kernels.quant_cpu import _ops
+
+    x, residual, norm = _randn(m, 96, seed=3), _randn(m, 96, seed=4), torch.rand(96) + 0.5
+    handle = pack(_rows(3 * LANES + 1, 96, "q4_1"))
+    nexts = (pack(_rows(LANES, 64, "q8_0")).panels, pack(_rows(7 * LANES, 96, "q4_1")).panels,
+             torch.zeros(0, 3, 320, dtype=torch.uint8))  # tiny, large, empty
+    for nxt in nexts:
+        y = _ops.quant_linear(x, handle.panels, handle.out_features, handle.format_id, handle.exact, nxt)
+        assert torch.equal(y, quant_linear(x, handle))
+        fused = _ops.rms_norm_quant_linear(x, residual, norm, 1e-5, handle.panels, handle.out_features,
+                                           handle.format_id, handle.exact, nxt)
+        assert all(torch.equal(a, b) for a, b in zip(fused, rms_norm_quant_linear(x, norm, 1e-5, residual, handle)))
+    with pytest.raises(ValueError, match="prefetch_next must be a contiguous uint8"):
+        _ops.quant_linear(x, handle.panels, handle.out_features, handle.format_id, handle.exact, torch.zeros(4, 4))

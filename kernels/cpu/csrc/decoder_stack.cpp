@@ -14,7 +14,9 @@
 //     x = quant_linear(silu_and_mul(gate_up), down)
 // and after the last layer: rms_norm(x + residual) * final_norm.
 // Weights are the packed GGUF panels of kernels/quant_cpu.py (each with its out_features,
-// format and activation mode); the class holds references to them (no copy).
+// format and activation mode); the class holds references to them (no copy). Each matmul is
+// told which weight comes next (quant_linear's prefetch_next; after the last layer, the
+// constructor's read_after: the LM head), which does not change a result.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +24,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -51,11 +54,12 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(T)> silu_and_mul = find_op<at::Tensor(T)>("silu_and_mul");
   c10::TypedOperatorHandle<void(T, T, T, T, T, T, int64_t, double, T, int64_t)> paged_attention =
       find_op<void(T, T, T, T, T, T, int64_t, double, T, int64_t)>("paged_attention");
-  c10::TypedOperatorHandle<at::Tensor(T, T, int64_t, int64_t, bool)> quant_linear =
-      find_op<at::Tensor(T, T, int64_t, int64_t, bool)>("quant_linear");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(T, T, T, double, T, int64_t, int64_t, bool)>
+  using Next = const std::optional<at::Tensor>&;
+  c10::TypedOperatorHandle<at::Tensor(T, T, int64_t, int64_t, bool, Next)> quant_linear =
+      find_op<at::Tensor(T, T, int64_t, int64_t, bool, Next)>("quant_linear");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(T, T, T, double, T, int64_t, int64_t, bool, Next)>
       rms_norm_quant_linear =
-          find_op<std::tuple<at::Tensor, at::Tensor>(T, T, T, double, T, int64_t, int64_t, bool)>(
+          find_op<std::tuple<at::Tensor, at::Tensor>(T, T, T, double, T, int64_t, int64_t, bool, Next)>(
               "rms_norm_quant_linear");
 };
 
@@ -63,6 +67,9 @@ struct QuantWeight {
   at::Tensor panels;
   int64_t out_features, format;
   bool exact;
+  // the weight read after this one (the next matmul's, the LM head's after the last layer):
+  // quant_linear's prefetch_next, so each matmul starts on bytes already on their way
+  std::optional<at::Tensor> next = std::nullopt;
 };
 
 // The four matmul weights of a layer, in this order in the constructor's lists.
@@ -75,8 +82,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // layer. ValueError for inconsistent lists.
   DecoderStack(std::vector<at::Tensor> panels, std::vector<int64_t> out_features, std::vector<int64_t> formats,
                std::vector<int64_t> exact, std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
-               at::Tensor cos_sin_cache, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, double scale)
+               std::vector<at::Tensor> read_after, at::Tensor cos_sin_cache, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : cos_sin_cache_(std::move(cos_sin_cache)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
         head_dim_(head_dim), eps_(eps), scale_(scale) {
     const size_t num_layers = panels.size() / kMatmuls;
@@ -89,8 +96,12 @@ class DecoderStack : public torch::CustomClassHolder {
                       "final one (", 2 * num_layers + 1, "), got ", norms.size());
     TORCH_CHECK_VALUE(qkv_biases.empty() || qkv_biases.size() == num_layers,
                       "DecoderStack: qkv_biases needs none or one per layer, got ", qkv_biases.size());
+    TORCH_CHECK_VALUE(read_after.size() <= 1, "DecoderStack: read_after takes at most one weight, got ",
+                      read_after.size());
     for (size_t i = 0; i < panels.size(); ++i)
       weights_.push_back({panels[i], out_features[i], formats[i], exact[i] != 0});
+    for (size_t i = 0; i + 1 < weights_.size(); ++i) weights_[i].next = weights_[i + 1].panels;
+    if (!read_after.empty() && !weights_.empty()) weights_.back().next = read_after[0];
     norms_ = std::move(norms);
     qkv_biases_ = std::move(qkv_biases);
     num_layers_ = static_cast<int64_t>(num_layers);
@@ -133,7 +144,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   at::Tensor matmul(const at::Tensor& x, const QuantWeight& w) const {
-    return ops_.quant_linear.call(x, w.panels, w.out_features, w.format, w.exact);
+    return ops_.quant_linear.call(x, w.panels, w.out_features, w.format, w.exact, w.next);
   }
 
   // quant_linear(rms_norm(x + residual) * norm), and residual <- x + residual; a residual not
@@ -145,7 +156,7 @@ class DecoderStack : public torch::CustomClassHolder {
       return matmul(ops_.rms_norm.call(x, norm, eps_), w);
     }
     auto [y, summed] = ops_.rms_norm_quant_linear.call(x, residual, norm, eps_, w.panels, w.out_features,
-                                                       w.format, w.exact);
+                                                       w.format, w.exact, w.next);
     residual = std::move(summed);
     return y;
   }
@@ -183,8 +194,8 @@ class DecoderStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(PDSERVE_NAMESPACE, m) {
   m.class_<pdserve::DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, int64_t, int64_t, int64_t,
-                       double, double>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                       int64_t, int64_t, int64_t, double, double>())
       .def("forward", &pdserve::DecoderStack::forward)
       .def("num_layers", &pdserve::DecoderStack::num_layers);
 }

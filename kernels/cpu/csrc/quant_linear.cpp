@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -402,8 +403,18 @@ void rows_tile(int num_rows, const Rows& rows, const unsigned char* packed, int6
   }
 }
 
+// The first work item this thread (at::get_thread_num() inside a parallel region) will take of
+// a packed weight in a loop over `threads` threads: at::parallel_for gives thread t of n the
+// items [t * ceil(items / n), ...) (ATen's static split).
+const unsigned char* first_item_of_this_thread(const at::Tensor& packed, int64_t threads) {
+  const int64_t items = (packed.size(0) + kPanels - 1) / kPanels;
+  const int64_t per_thread = (items + threads - 1) / threads;
+  const int64_t item = std::min<int64_t>(at::get_thread_num() * per_thread, std::max<int64_t>(items - 1, 0));
+  return packed.data_ptr<unsigned char>() + item * kPanels * packed.size(1) * packed.size(2);
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                        int64_t format, bool exact) {
+                        int64_t format, bool exact, const std::optional<at::Tensor>& prefetch_next) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
                     "quant_linear: x must be a 2-d float32 CPU tensor, got ", x.dim(), "-d ",
                     x.scalar_type());
@@ -439,6 +450,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   const unsigned char* wp = packed.data_ptr<unsigned char>();
   float* op = out.data_ptr<float>();
   const int64_t N = out_features, items = (P + kPanels - 1) / kPanels;
+  // prefetch_next: the weight the caller multiplies by next (a layer's following matmul). Each
+  // thread, done with its items, fetches the first item it will take of that one, so the next
+  // call does not start on a cold stream.
+  const bool chain = prefetch_next.has_value() && prefetch_next->defined();
+  TORCH_CHECK_VALUE(!chain || (prefetch_next->scalar_type() == at::kByte && prefetch_next->dim() == 3 &&
+                               prefetch_next->is_contiguous()),
+                    "quant_linear: prefetch_next must be a contiguous uint8 [P, num_blocks, block bytes] tensor");
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
       for (int64_t m = 0; m < M; m += kRows) {
@@ -453,6 +472,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
           else rows_tile<kQ8_0, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         }
       }
+    if (chain) {
+      const at::Tensor& next = *prefetch_next;
+      prefetch_bytes(first_item_of_this_thread(next, threads),
+                     std::min<int64_t>(next.numel(), kPanels * next.size(1) * next.size(2)));
+    }
   });
   return out;
 }
@@ -463,7 +487,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant_linear(const at::Tensor& x, const at::Tensor& residual,
                                                          const at::Tensor& weight, double eps,
                                                          const at::Tensor& packed, int64_t out_features,
-                                                         int64_t format, bool exact) {
+                                                         int64_t format, bool exact,
+                                                         const std::optional<at::Tensor>& prefetch_next) {
   auto check_rows = [](const char* name, const at::Tensor& t) {
     TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
                           (t.size(1) <= 1 || t.stride(1) == 1),
@@ -496,16 +521,17 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant_linear(const at::Tensor& x, co
       rms_norm_row(sr, wp, np + m * K, K, static_cast<float>(eps));
     }
   });
-  return {quant_linear(normed, packed, out_features, format, exact), residual_out};
+  return {quant_linear(normed, packed, out_features, format, exact, prefetch_next), residual_out};
 }
 
 }  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(PDSERVE_NAMESPACE, m) {
-  m.def("quant_linear(Tensor x, Tensor packed, int out_features, int format, bool exact) -> Tensor",
+  m.def("quant_linear(Tensor x, Tensor packed, int out_features, int format, bool exact, "
+        "Tensor? prefetch_next=None) -> Tensor",
         &pdserve::quant_linear);
   m.def("rms_norm_quant_linear(Tensor x, Tensor residual, Tensor weight, float eps, Tensor packed, "
-        "int out_features, int format, bool exact) -> (Tensor, Tensor)",
+        "int out_features, int format, bool exact, Tensor? prefetch_next=None) -> (Tensor, Tensor)",
         &pdserve::rms_norm_quant_linear);
 }
