@@ -10,7 +10,7 @@ DEPLOY_TOOLS := .venv/deploy-tools
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 PEERS        := .peers
 
-.PHONY: up lint test test-fast bench clean-venv deploy-tools peers-llama prometheus
+.PHONY: up lint test test-fast bench clean-venv deploy-tools peers-llama peers-llama-avx2 prometheus
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -55,17 +55,31 @@ deploy-tools:
 
 # llama-server and llama-bench in .peers/bin (10-15 min on 2 cores; cmake, ninja and g++ needed):
 # `pdserve bench compare --target llama=url:...` and `python -m loadtests.bench_quant --llama-bench`.
+# llama.cpp's sources, from the llama-cpp-python sdist (it vendors them)
+$(PEERS)/src/llama.cpp:
+	rm -rf $(PEERS)/src && mkdir -p $(PEERS)/src
+	$(PIP) download -q --no-deps --no-binary :all: $(LLAMA_CPP_PY) -d $(PEERS)/src
+	tar xzf $(PEERS)/src/llama_cpp_python-*.tar.gz -C $(PEERS)/src
+	mv $(PEERS)/src/llama_cpp_python-*/vendor/llama.cpp $(PEERS)/src/llama.cpp
+
+LLAMA_CMAKE := cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DBUILD_SHARED_LIBS=OFF
+
 peers-llama: $(STAMP)
-	test -x $(PEERS)/bin/llama-bench || { \
-		rm -rf $(PEERS)/src && mkdir -p $(PEERS)/src $(PEERS)/bin \
-		&& $(PIP) download -q --no-deps --no-binary :all: $(LLAMA_CPP_PY) -d $(PEERS)/src \
-		&& tar xzf $(PEERS)/src/llama_cpp_python-*.tar.gz -C $(PEERS)/src \
-		&& cd $(PEERS)/src/llama_cpp_python-*/vendor/llama.cpp \
-		&& cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-			-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-			-DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
+	test -x $(PEERS)/bin/llama-bench || { $(MAKE) $(PEERS)/src/llama.cpp && mkdir -p $(PEERS)/bin \
+		&& cd $(PEERS)/src/llama.cpp && $(LLAMA_CMAKE) -B build -DGGML_NATIVE=ON \
 		&& ninja -C build llama-server llama-bench \
 		&& cp build/bin/llama-server build/bin/llama-bench $(CURDIR)/$(PEERS)/bin/; }
+
+# llama-bench for AVX2 + FMA + F16C only (no AVX-512, no VNNI): the peer of pdserve's
+# PDSERVE_CPU_ISA=avx2 build in loadtests/bench_quant.py on an AVX-512 machine
+peers-llama-avx2: $(STAMP)
+	test -x $(PEERS)/bin/llama-bench-avx2 || { $(MAKE) $(PEERS)/src/llama.cpp && mkdir -p $(PEERS)/bin \
+		&& cd $(PEERS)/src/llama.cpp && $(LLAMA_CMAKE) -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON \
+			-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+		&& ninja -C build-avx2 llama-bench \
+		&& cp build-avx2/bin/llama-bench $(CURDIR)/$(PEERS)/bin/llama-bench-avx2; }
 
 # Prometheus and promtool for tests/integration/test_metrics_cluster.py (it skips that part without
 # them): Debian's package where apt is there and we are root; otherwise skipped, never an error.
