@@ -124,7 +124,9 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, int]],
                 out: RunnerOutput) -> None:
         requests = [r for r, _ in rows]
-        row_logits = logits[[row for _, row in rows]]
+        row_ids = [row for _, row in rows]
+        # every row in order (a decode batch): the logits as they are, no gather
+        row_logits = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
         if all(takes_argmax(r.sampling_params, r.output_token_ids, self.eos_token_ids) for r in requests):
             # plain greedy rows: the argmax, without building metadata (a batch-1 decode step's
             # sampling was ~0.1 ms of it); a non-finite row takes the full path, which names it
