@@ -8,7 +8,10 @@ import torch
 from engine import LLM
 from engine.mathutils import cdiv
 from engine.runner.inputs import ScheduledSeq, build_model_input
-from tests.integration.hf_parity import GREEDY
+from tests.integration.hf_parity import GREEDY, NUM_NEW_TOKENS
+from tests.integration.hf_parity import parity_prompts as _prompts
+
+__all__ = ["NUM_NEW_TOKENS", "_prompts"]  # loadtests/bench_kv_quant.py imports the parity set from here
 
 pytestmark = pytest.mark.slow  # the prompts and HF's tokens: session fixtures (tests/conftest.py)
 
