@@ -35,11 +35,11 @@ COMMON = ("--num-kv-blocks", "128", "--max-model-len", "512")
 
 @pytest.fixture(scope="module")
 def prefill_worker(tmp_path_factory):
-    """One prefill worker for every proposer: only the decode worker speculates."""
+    """One prefill worker for every proposer: only the decode worker speculates. Not waited for
+    here: it starts next to the first decode worker (``spec_cluster`` waits for both)."""
     worker = start_worker("prefill", tmp_path_factory.mktemp("spec-cluster-prefill"), *COMMON,
                           transfer="grpc")
     try:
-        wait_serving([worker])
         yield worker
     finally:
         stop_all([worker])
@@ -52,7 +52,7 @@ def spec_cluster(request, prefill_worker, tmp_path_factory):
                           transfer="grpc")
     processes = [decode]
     try:
-        wait_serving(processes)
+        wait_serving([prefill_worker, decode])
         router = start_router(log_dir, [prefill_worker], [decode], "grpc")
         processes.append(router)
         wait_serving([router])
