@@ -31,6 +31,24 @@ def hf_model(default_model_path):
     return model
 
 
+@pytest.fixture(scope="session")
+def parity_prompts(loaded_model) -> list[list[int]]:
+    """The HF parity prompts' token ids (tests/integration/hf_parity.py), one of ~1,000 tokens."""
+    from tests.integration.hf_parity import parity_prompts as build
+
+    prompts = build(loaded_model.tokenizer)
+    assert max(len(p) for p in prompts) >= 900, "the long-context prompt must be ~1,000 tokens"
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, parity_prompts) -> list[list[int]]:
+    """HF's greedy tokens for each parity prompt: built once for the fp32 and the q4 parity tests."""
+    from tests.integration.hf_parity import hf_greedy_tokens
+
+    return hf_greedy_tokens(hf_model, parity_prompts)
+
+
 def _embedded_redis():
     from services.index.redis_server import EmbeddedRedis
 

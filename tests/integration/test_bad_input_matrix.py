@@ -194,8 +194,8 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm():
-    yield from oracle_llm(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+def llm(loaded_model):
+    yield from oracle_llm(loaded_model, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
 
 
 def http_port(cluster) -> int:

@@ -30,33 +30,55 @@ SPEC_ARGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SPEC_ARGS))
-def spec_cluster(request, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp(f"spec-cluster-{request.param}")
-    common = ("--num-kv-blocks", "128", "--max-model-len", "512")
-    prefill = start_worker("prefill", log_dir, *common, transfer="grpc")
-    decode = start_worker("decode", log_dir, *common, *SPEC_ARGS[request.param], "--spec-k", "4",
+COMMON = ("--num-kv-blocks", "128", "--max-model-len", "512")
+
+
+@pytest.fixture(scope="module")
+def prefill_worker(tmp_path_factory):
+    """One prefill worker for every proposer: only the decode worker speculates. Not waited for
+    here: it starts next to the first decode worker (``spec_cluster`` waits for both)."""
+    worker = start_worker("prefill", tmp_path_factory.mktemp("spec-cluster-prefill"), *COMMON,
                           transfer="grpc")
-    processes = [prefill, decode]
     try:
-        wait_serving(processes)
-        router = start_router(log_dir, [prefill], [decode], "grpc")
+        yield worker
+    finally:
+        stop_all([worker])
+
+
+@pytest.fixture(scope="module", params=sorted(SPEC_ARGS))
+def spec_cluster(request, prefill_worker, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp(f"spec-cluster-{request.param}")
+    decode = start_worker("decode", log_dir, *COMMON, *SPEC_ARGS[request.param], "--spec-k", "4",
+                          transfer="grpc")
+    processes = [decode]
+    try:
+        wait_serving([prefill_worker, decode])
+        router = start_router(log_dir, [prefill_worker], [decode], "grpc")
         processes.append(router)
         wait_serving([router])
-        yield router, [prefill, decode]
+        yield router, [prefill_worker, decode]
     finally:
         stop_all(processes)
 
 
-def test_speculation_through_the_cluster_equals_offline(spec_cluster, loaded_model):
-    router, workers = spec_cluster
+@pytest.fixture(scope="module")
+def prompts(loaded_model) -> list[list[int]]:
     tok = loaded_model.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": "Repeat this code exactly:\n" + CODE}]),
-               tok.encode("1, 2, 3, 4, 5, 6, 7, 8,"),
-               tok.encode_chat([{"role": "user", "content": "Name three rivers."}])]
+    return [tok.encode_chat([{"role": "user", "content": "Repeat this code exactly:\n" + CODE}]),
+            tok.encode("1, 2, 3, 4, 5, 6, 7, 8,"),
+            tok.encode_chat([{"role": "user", "content": "Name three rivers."}])]
+
+
+@pytest.fixture(scope="module")
+def expected(loaded_model, prompts) -> list[list[int]]:
+    """The offline engine's greedy tokens without speculation, once for every proposer."""
     params = SamplingParams(temperature=0, max_tokens=32)
-    expected = [o.token_ids for o in LLM(loaded_model, max_model_len=512, num_kv_blocks=128)
-                .generate(prompts, params)]
+    return [o.token_ids for o in LLM(loaded_model, max_model_len=512, num_kv_blocks=128)
+            .generate(prompts, params)]
+
+
+def test_speculation_through_the_cluster_equals_offline(spec_cluster, prompts, expected):
+    router, workers = spec_cluster
     with grpc.insecure_channel(router.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         for ids, want in zip(prompts, expected):

@@ -2,56 +2,18 @@
 
 from __future__ import annotations
 
-import inspect
-import textwrap
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.mathutils import cdiv
 from engine.runner.inputs import ScheduledSeq, build_model_input
+from tests.integration.hf_parity import GREEDY, NUM_NEW_TOKENS
+from tests.integration.hf_parity import parity_prompts as _prompts
 
-pytestmark = pytest.mark.slow
+__all__ = ["NUM_NEW_TOKENS", "_prompts"]  # loadtests/bench_kv_quant.py imports the parity set from here
 
-NUM_NEW_TOKENS = 64
-
-
-def _prompts(tokenizer) -> list[list[int]]:
-    chat = lambda text: tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    long_context = inspect.getsource(textwrap)[:4200]
-    return [
-        chat("What is the capital of France?"),
-        chat("Write a haiku about the sea."),
-        chat("Explain in two sentences why the sky is blue."),
-        tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
-        tokenizer.encode("#include <stdio.h>\n\nint main(void) {\n"),
-        tokenizer.encode("The three primary colours are"),
-        chat("Summarise this code:\n" + long_context[:600]),
-        tokenizer.encode(long_context + "\n\n# The function above"),
-    ]
-
-
-@pytest.fixture(scope="module")
-def prompts(loaded_model):
-    prompts = _prompts(loaded_model.tokenizer)
-    assert max(len(p) for p in prompts) >= 900, "the long-context prompt must be ~1,000 tokens"
-    return prompts
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(hf_model, prompts):
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        with torch.inference_mode():
-            out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                    max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                                    eos_token_id=list(hf_model.generation_config.eos_token_id
-                                                      if isinstance(hf_model.generation_config.eos_token_id, list)
-                                                      else [hf_model.generation_config.eos_token_id]))
-        outputs.append(out[0, len(ids):].tolist())
-    return outputs
+pytestmark = pytest.mark.slow  # the prompts and HF's tokens: session fixtures (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +21,16 @@ def llm(loaded_model):
     return LLM(loaded_model, max_num_batched_tokens=512)
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS)
-
-
-def test_greedy_batched_equals_hf(llm, prompts, hf_greedy):
-    outputs = llm.generate(prompts, GREEDY)
+def test_greedy_batched_equals_hf(llm, parity_prompts, hf_greedy):
+    outputs = llm.generate(parity_prompts, GREEDY)
     for i, (ours, theirs) in enumerate(zip(outputs, hf_greedy)):
         assert ours.token_ids == theirs, f"prompt {i} diverges"
     llm.engine.check_integrity()
     assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
 
 
-def test_greedy_one_by_one_equals_hf(llm, prompts, hf_greedy):
-    for i, (ids, theirs) in enumerate(zip(prompts, hf_greedy)):
+def test_greedy_one_by_one_equals_hf(llm, parity_prompts, hf_greedy):
+    for i, (ids, theirs) in enumerate(zip(parity_prompts, hf_greedy)):
         (ours,) = llm.generate([ids], GREEDY)
         assert ours.token_ids == theirs, f"prompt {i} diverges"
     llm.engine.check_integrity()
@@ -98,5 +57,5 @@ def assert_prefill_logits_match_hf(llm: LLM, hf_model, prompts: list[list[int]])
         assert (ours - theirs).abs().max().item() < 1e-3
 
 
-def test_prefill_logits_match_hf(llm, hf_model, prompts):
-    assert_prefill_logits_match_hf(llm, hf_model, prompts)
+def test_prefill_logits_match_hf(llm, hf_model, parity_prompts):
+    assert_prefill_logits_match_hf(llm, hf_model, parity_prompts)

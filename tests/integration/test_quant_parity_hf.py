@@ -26,13 +26,8 @@ import pytest
 import torch
 
 from engine import LLM
-from tests.integration.test_parity_hf import (  # noqa: F401  (fixtures)
-    GREEDY,
-    assert_prefill_logits_match_hf,
-    hf_greedy,
-    prefill_logits,
-    prompts,
-)
+from tests.integration.hf_parity import GREEDY
+from tests.integration.test_parity_hf import assert_prefill_logits_match_hf, prefill_logits
 
 pytestmark = pytest.mark.slow
 NEAR_TIE = 1e-3
@@ -73,17 +68,17 @@ def _agrees(hf_model, ids: list[int], ours: list[int], theirs: list[int],
     return gap <= near_tie, f"first differs at token {at}, HF logit gap {gap:.2e}"
 
 
-def test_q4_greedy_equals_hf_on_the_same_dequantized_weights(llm_q4, hf_model, prompts, hf_greedy):  # noqa: F811
+def test_q4_greedy_equals_hf_on_the_same_dequantized_weights(llm_q4, hf_model, parity_prompts, hf_greedy):
     assert llm_q4.engine.runner.model.quantized
-    outputs = llm_q4.generate(prompts, GREEDY)
+    outputs = llm_q4.generate(parity_prompts, GREEDY)
     verdicts = [_agrees(hf_model, ids, out.token_ids, theirs)
-                for ids, out, theirs in zip(prompts, outputs, hf_greedy)]
+                for ids, out, theirs in zip(parity_prompts, outputs, hf_greedy)]
     assert all(ok for ok, _ in verdicts), [why for _, why in verdicts]
     llm_q4.engine.check_integrity()
 
 
-def test_q4_prefill_logits_match_hf(llm_q4, hf_model, prompts):  # noqa: F811
-    assert_prefill_logits_match_hf(llm_q4, hf_model, prompts)
+def test_q4_prefill_logits_match_hf(llm_q4, hf_model, parity_prompts):
+    assert_prefill_logits_match_hf(llm_q4, hf_model, parity_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +94,9 @@ def _prefill_agreement(llm: LLM, hf_model, ids: list[int]) -> tuple[float, float
     return top1, (ours - theirs).abs().mean().item()
 
 
-def test_q4_int8_activations_stay_close_to_hf(llm_q4_int8, hf_model, prompts):  # noqa: F811
+def test_q4_int8_activations_stay_close_to_hf(llm_q4_int8, hf_model, parity_prompts):
     assert llm_q4_int8.engine.runner.model.quantized
-    for ids in (prompts[0], prompts[-1]):
+    for ids in (parity_prompts[0], parity_prompts[-1]):
         top1, mean_error = _prefill_agreement(llm_q4_int8, hf_model, ids)
         assert top1 >= INT8_MIN_TOP1 and 0 < mean_error <= INT8_MAX_MEAN_ERROR, (len(ids), top1, mean_error)
     llm_q4_int8.engine.check_integrity()

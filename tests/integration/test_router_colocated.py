@@ -77,8 +77,9 @@ def router(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm():
-    yield from oracle_llm(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)  # shares the cores with the router
+def llm(loaded_model):
+    """The offline oracle on one thread (it shares the cores with the router)."""
+    yield from oracle_llm(loaded_model, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
 
 
 def offline(llm, prompt, **params):
