@@ -51,6 +51,13 @@ def build_model_input(seqs: list[ScheduledSeq], block_size: int,
     """Flatten ``seqs`` into model inputs. Raises ValueError if a block table is too short."""
     if not seqs:
         raise ValueError("build_model_input needs at least one scheduled sequence")
+    if all(len(s.token_ids) == 1 and s.num_logits == 1 for s in seqs):
+        return _decode_input(seqs, block_size, device)
+    return _general_input(seqs, block_size, device)
+
+
+def _general_input(seqs: list[ScheduledSeq], block_size: int, device: torch.device | str) -> ModelInput:
+    """``build_model_input`` for any batch (prompt chunks, verification rows, decodes)."""
     q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
     cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_seqlens_q[1:])
@@ -87,3 +94,29 @@ def build_model_input(seqs: list[ScheduledSeq], block_size: int,
         max_seqlen_q=int(q_lens.max()),
     )
     return ModelInput(to(input_ids), to(positions), attn, to(logits_indices))
+
+
+def _decode_input(seqs: list[ScheduledSeq], block_size: int, device: torch.device | str) -> ModelInput:
+    """``build_model_input`` for a batch of decodes (one token and one logits row per sequence):
+    the same tensors from Python lists, without the general path's numpy passes (a batch-1
+    decode step built its inputs in ~90 us of a ~3 ms step)."""
+    positions = [s.start_pos for s in seqs]
+    for i, (s, pos) in enumerate(zip(seqs, positions)):
+        if len(s.block_ids) * block_size <= pos:
+            needed = cdiv(pos + 1, block_size)
+            raise ValueError(f"sequence {i} needs {needed} blocks for {pos + 1} tokens, "
+                             f"its block table has {len(s.block_ids)}")
+    width = max(len(s.block_ids) for s in seqs)
+    n = len(seqs)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor([s.block_ids[pos // block_size] * block_size + pos % block_size
+                                   for s, pos in zip(seqs, positions)], dtype=torch.int64, device=device),
+        block_tables=torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs],
+                                  dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
+        max_seqlen_q=1,
+    )
+    return ModelInput(torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.int64, device=device),
+                      torch.tensor(positions, dtype=torch.int64, device=device), attn,
+                      torch.arange(n, dtype=torch.int64, device=device))

@@ -105,7 +105,9 @@ class ModelRunner:
         out = RunnerOutput()
         if rows.num_rows == 0:
             return out
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        # as many logits rows as tokens: they are all the rows, in order (no gather)
+        wanted = model_input.logits_indices
+        logits = self.model.compute_logits(hidden if wanted.shape[0] == hidden.shape[0] else hidden[wanted])
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
             num_top = request.sampling_params.prompt_logprobs
