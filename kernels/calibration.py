@@ -180,15 +180,16 @@ def measured_ops(table: Calibration):
         ops = dataclasses.replace(ops, pack_quant=compiled.pack_quant, quant_linear=compiled.quant_linear)
         if {impl for _, impl in table.impls("rms_norm")} == {"cpu"}:  # the fused op is both compiled ops
             ops = dataclasses.replace(ops, norm_quant_linear=compiled.norm_quant_linear)
-        # The one-call layer stack makes the compiled calls: it serves the steps whose every op
-        # the compiled kernel won (attention's class is its longest query, at most the step's rows).
-        limit = min(compiled_up_to(table, op) for op in STACK_OPS)
-        if limit > 0:
-            ops = dataclasses.replace(ops, decoder_stack=compiled.decoder_stack, stack_max_tokens=limit)
+    # The one-call layer stack makes the compiled calls (on DualWeight's packed handles when torch
+    # serves larger sizes): it serves the steps whose every op the compiled kernel won (attention's
+    # class is its longest query, at most the step's rows).
+    limit = min(compiled_up_to(table, op) for op in STACK_OPS)
+    if limit > 0:
+        ops = dataclasses.replace(ops, decoder_stack=compiled.decoder_stack, stack_max_tokens=limit)
     return ops
 
 
-STACK_OPS = ("rms_norm", "rotary", "store_kv", "silu_and_mul", "paged_attention")
+STACK_OPS = ("quant_linear", "rms_norm", "rotary", "store_kv", "silu_and_mul", "paged_attention")
 
 
 def compiled_up_to(table: Calibration, op: str) -> int:

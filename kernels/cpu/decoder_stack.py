@@ -51,20 +51,23 @@ class DecoderStack:
 def build(model: Any) -> DecoderStack | None:
     """The compiled stack of ``model``'s layers (an ``engine.models.llama.LlamaForCausalLM``,
     read by attribute: kernels/ imports nothing from engine/), or None when a layer matmul weight is not a
-    compiled quantized one (``kernels.quant_cpu.PackedQuant``)."""
-    weights = [w for layer in model.layers
+    compiled quantized one (``kernels.quant_cpu.PackedQuant``, or a ``DualWeight`` holding one)."""
+    # a measured op table's weights hold the compiled handle in .packed (kernels.calibration.DualWeight)
+    weights = [getattr(w, "packed", w) for layer in model.layers
                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
     if not weights or not all(isinstance(w, PackedQuant) for w in weights):
         return None
     biases = [layer.qkv_bias for layer in model.layers]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None  # some layers with a bias, some without: not a shape the stack takes
+    head = getattr(model.lm_head, "packed", model.lm_head)
+    read_after = [head.panels] if isinstance(head, PackedQuant) else []  # prefetched after the last layer
     norms = [n for layer in model.layers for n in (layer.input_norm, layer.post_attention_norm)]
     cfg = model.config
     cls = getattr(torch.classes, namespace(default_isa())).DecoderStack
     handle = cls([w.panels for w in weights], [w.out_features for w in weights],
                  [w.format_id for w in weights], [int(w.exact) for w in weights],
                  [*norms, model.norm], [b for b in biases if b is not None],
-                 [model.lm_head.panels] if isinstance(model.lm_head, PackedQuant) else [], model.cos_sin_cache,
+                 read_after, model.cos_sin_cache,
                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale)
     return DecoderStack(handle)

@@ -136,9 +136,28 @@ def test_the_layer_stack_serves_only_steps_whose_every_op_is_compiled():
     table = _table(lambda op, i: "cpu" if op in ("quant_linear", "rms_norm") or (op == "paged_attention" and i < 3)
                    or (op in small_ops and i < 2) else "torch")
     assert cal.compiled_up_to(table, "paged_attention") == 128
+    assert cal.compiled_up_to(table, "quant_linear") == sys.maxsize
     assert cal.compiled_up_to(table, "rms_norm") == sys.maxsize
     ops = cal.measured_ops(table)
     assert ops.decoder_stack is not None and ops.stack_max_tokens == 128
     # torch's attention even at batch-1 decode: no stack
     table = _table(lambda op, i: "torch" if op == "paged_attention" and i == 0 else "cpu")
     assert cal.measured_ops(table).decoder_stack is None
+
+
+def test_torch_serving_large_quantized_matmuls_still_leaves_decode_steps_to_the_stack(loaded_model):
+    import dataclasses
+
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.quant_weights import plan_quantized
+
+    # quant_linear compiled up to its 64-row class, torch.mm on the dequantized weight above
+    table = _table(lambda op, i: "torch" if op == "quant_linear" and i >= 5 else "cpu")
+    ops = cal.measured_ops(table)
+    assert ops.stack_max_tokens == 64 and ops.decoder_stack is not None
+    config = dataclasses.replace(loaded_model.config, num_layers=1)
+    weights = {n: w for n, w in loaded_model.weights.items() if not n.startswith("model.layers.")
+               or n.startswith("model.layers.0.")}
+    plan = plan_quantized(config, weights, loaded_model.blocks, "q4")
+    model = LlamaForCausalLM(config, weights, ops, quant_plan=plan)
+    assert isinstance(model.layers[0].qkv_weight, cal.DualWeight) and model.stack is not None
