@@ -36,6 +36,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -413,35 +414,41 @@ const unsigned char* first_item_of_this_thread(const at::Tensor& packed, int64_t
   return packed.data_ptr<unsigned char>() + item * kPanels * packed.size(1) * packed.size(2);
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                        int64_t format, bool exact, const std::optional<at::Tensor>& prefetch_next) {
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-                    "quant_linear: x must be a 2-d float32 CPU tensor, got ", x.dim(), "-d ",
-                    x.scalar_type());
-  TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1,
-                    "quant_linear: x must have stride 1 in its last dim");
-  TORCH_CHECK_VALUE(format == kQ8_0 || format == kQ4, "quant_linear: format must be 0 (q8_0) or 1 (q4), got ",
-                    format);
+// Scratch that lives for one call: grown on demand and kept per calling thread, so a decode
+// step's ~120 matmuls allocate no activation rows (only their outputs).
+template <class T>
+T* thread_scratch(int slot, int64_t n) {
+  thread_local std::vector<T> buffers[2];
+  std::vector<T>& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
+void check_weight(const char* op, const at::Tensor& packed, int64_t K, int64_t out_features, int64_t format) {
+  TORCH_CHECK_VALUE(format == kQ8_0 || format == kQ4, op, ": format must be 0 (q8_0) or 1 (q4), got ", format);
   const int64_t bb = format == kQ4 ? block_bytes<kQ4>() : block_bytes<kQ8_0>();
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == bb &&
                         packed.is_contiguous(),
-                    "quant_linear: packed must be a contiguous uint8 [P, num_blocks, ", bb,
+                    op, ": packed must be a contiguous uint8 [P, num_blocks, ", bb,
                     "] tensor from kernels.quant_cpu.pack");
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), nb = packed.size(1);
-  TORCH_CHECK_VALUE(K == nb * kBlock, "quant_linear: x has ", K, " features but the weight expects ",
-                    nb * kBlock);
+  const int64_t P = packed.size(0), nb = packed.size(1);
+  TORCH_CHECK_VALUE(K == nb * kBlock, op, ": x has ", K, " features but the weight expects ", nb * kBlock);
   TORCH_CHECK_VALUE(out_features > (P - 1) * kLanes && out_features <= P * kLanes,
-                    "quant_linear: out_features ", out_features, " does not match ", P, " panels");
-  at::Tensor out = at::empty({M, out_features}, x.options());
+                    op, ": out_features ", out_features, " does not match ", P, " panels");
+}
+
+// y [M, out_features] = rows of x (M rows of K floats, row stride xs) times the packed weight;
+// the arguments are checked by the callers.
+at::Tensor quant_linear_rows(const float* xp, int64_t xs, int64_t M, int64_t K, const at::Tensor& packed,
+                             int64_t out_features, int64_t format, bool exact,
+                             const std::optional<at::Tensor>& prefetch_next, const at::TensorOptions& options) {
+  const int64_t P = packed.size(0), nb = packed.size(1);
+  at::Tensor out = at::empty({M, out_features}, options);
   if (M == 0) return out;
   // per row and block: dx and xsum [M, nb] fp32; the quantized rows xq [M, K] int8 unless exact
-  at::Tensor factors = at::empty({2, M, nb}, x.options());
-  at::Tensor xq_t = at::empty({exact ? 0 : M, K}, x.options().dtype(at::kChar));
-  const float* xp = x.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  float* dx = factors.data_ptr<float>();
+  float* dx = thread_scratch<float>(0, 2 * M * nb);
   float* xsum = dx + M * nb;
-  int8_t* xq = exact ? nullptr : xq_t.data_ptr<int8_t>();
+  int8_t* xq = exact ? nullptr : thread_scratch<int8_t>(0, M * K);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       prepare_row(xp + m * xs, nb, xsum + m * nb, xq ? xq + m * K : nullptr, dx + m * nb);
@@ -481,6 +488,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   return out;
 }
 
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                        int64_t format, bool exact, const std::optional<at::Tensor>& prefetch_next) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+                    "quant_linear: x must be a 2-d float32 CPU tensor, got ", x.dim(), "-d ",
+                    x.scalar_type());
+  TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1,
+                    "quant_linear: x must have stride 1 in its last dim");
+  check_weight("quant_linear", packed, x.size(1), out_features, format);
+  return quant_linear_rows(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), packed, out_features, format,
+                           exact, prefetch_next, x.options());
+}
+
 // residual_out = x + residual; y = quant_linear(rms_norm(residual_out) * weight): the layer's
 // norm and the matmul after it in one call (a decode step makes 2 per layer). Returns
 // (y, residual_out); the same values as elementwise.rms_norm_residual then quant_linear.
@@ -503,13 +522,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant_linear(const at::Tensor& x, co
                         weight.size(0) == x.size(1) && weight.is_contiguous(),
                     "rms_norm_quant_linear: weight must be a contiguous float32 [", x.size(1), "] tensor");
   const int64_t M = x.size(0), K = x.size(1);
+  check_weight("rms_norm_quant_linear", packed, K, out_features, format);
   at::Tensor residual_out = at::empty({M, K}, x.options());
-  at::Tensor normed = at::empty({M, K}, x.options());
+  float* np = thread_scratch<float>(1, M * K);  // the normed rows: read by the matmul only
   const float* xp = x.data_ptr<float>();
   const float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* sp = residual_out.data_ptr<float>();
-  float* np = normed.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* xr = xp + m * x.stride(0);
@@ -521,7 +540,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant_linear(const at::Tensor& x, co
       rms_norm_row(sr, wp, np + m * K, K, static_cast<float>(eps));
     }
   });
-  return {quant_linear(normed, packed, out_features, format, exact, prefetch_next), residual_out};
+  return {quant_linear_rows(np, K, M, K, packed, out_features, format, exact, prefetch_next, x.options()),
+          residual_out};
 }
 
 }  // namespace
