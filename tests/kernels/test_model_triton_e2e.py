@@ -19,13 +19,15 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 
 
 def test_triton_backend_matches_torch_greedy(loaded_model, monkeypatch):
-    # 12 new tokens: the 7-token prompt's KV crosses a 16-token block boundary while decoding
-    # (reads span two blocks), at about 3 s per interpreted step
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # 4-token blocks: the 4-, 5- and 7-token prompts fill one or two blocks, and 6 new tokens
+    # take each one's KV across one or two more block boundaries while decoding (reads span up
+    # to four blocks), at about 3 s per interpreted step (16-token blocks needed 12 steps for one)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine_args = {"max_model_len": 256, "num_kv_blocks": 64, "block_size": 4}
     monkeypatch.setenv(BACKEND_ENV, "torch")
-    reference = LLM(loaded_model, max_model_len=256, num_kv_blocks=64).generate(PROMPTS, params)
+    reference = LLM(loaded_model, **engine_args).generate(PROMPTS, params)
     monkeypatch.setenv(BACKEND_ENV, "triton")
-    llm = LLM(loaded_model, max_model_len=256, num_kv_blocks=64)
+    llm = LLM(loaded_model, **engine_args)
     assert llm.engine.runner.backend == "triton"
     outputs = llm.generate(PROMPTS, params)
     for ours, ref in zip(outputs, reference):
