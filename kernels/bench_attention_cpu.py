@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels.timing import best_seconds
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 # name, number of sequences, context (seq_len), new tokens per sequence (q_len)
@@ -30,16 +30,6 @@ CASES = [("prefix hit: 112 on 1,900 cached", 1, 2012, 112), ("prompt 512, fresh"
          ("prompt 1024, fresh", 1, 1024, 1024), ("prompt 2000, fresh (the miss)", 1, 2000, 2000),
          ("decode batch 1 x 2000", 1, 2000, 1),
          ("decode batch 16 x 2000", 16, 2000, 1)]
-
-
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn(), fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def _case(num_seqs: int, seq_len: int, q_len: int, seed: int = 0):
@@ -95,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, num_seqs, seq_len, q_len in CASES:
         kernel_args, (q, k, v, mask) = _case(num_seqs, seq_len, q_len)
         out = torch.empty_like(kernel_args[0])
-        ours = _best_seconds(functools.partial(kernel, *kernel_args, out, -1), args.repeats)
-        base = _best_seconds(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+        ours = best_seconds(functools.partial(kernel, *kernel_args, out, -1), args.repeats, warmup=2)
+        base = best_seconds(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
                                                is_causal=mask is None and q_len > 1, scale=HEAD_DIM ** -0.5),
-                             args.repeats)
+                             args.repeats, warmup=2)
         amount, unit = _work(num_seqs, seq_len, q_len)
         print(f"{name:<34}{ours * 1e3:>10.3f}{base * 1e3:>9.3f}{base / ours:>11.2f}x"
               f"{amount / ours:>9.1f}{amount / base:>8.1f}  {unit}")

@@ -26,6 +26,7 @@ from engine import LLM, SamplingParams
 from engine.models.loader import load_model
 from engine.runner.cpu_threads import configure_cpu_threads
 from kernels.ops import BACKEND_ENV
+from kernels.timing import best_seconds
 
 
 @contextlib.contextmanager
@@ -40,23 +41,14 @@ def torch_threads(num_threads: int):
         torch.set_num_threads(before)
 
 
-def _best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def memcpy_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> tuple[float, float]:
     """(copy, read) bandwidth in bytes/s: a large tensor copy counted as bytes copied per
     second (each byte once, as memcpy benchmarks report it), and a streaming read (a sum)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy = num_bytes / _best_of(lambda: dst.copy_(src), repeats)
-    read = num_bytes / _best_of(lambda: src.sum(), repeats)
+    copy = num_bytes / best_seconds(lambda: dst.copy_(src), repeats)
+    read = num_bytes / best_seconds(lambda: src.sum(), repeats)
     return copy, read
 
 
@@ -81,8 +73,8 @@ def hf_decode_rate(hf, prompts: list[list[int]], num_tokens: int, repeats: int) 
                 hf.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                             do_sample=False, pad_token_id=0)
         return go
-    t_full = _best_of(run(num_tokens + 1), repeats)
-    t_first = _best_of(run(1), repeats)
+    t_full = best_seconds(run(num_tokens + 1), repeats)
+    t_first = best_seconds(run(1), repeats)
     return len(prompts) * num_tokens / (t_full - t_first)
 
 
@@ -98,7 +90,7 @@ def hf_baseline(model: str | None, long_prompt, batch1, batch16, args) -> list[f
                                               dtype=torch.float32, **hf_kwargs).eval()
     with torch.inference_mode():
         hf(torch.tensor(long_prompt))
-        t = _best_of(lambda: hf(torch.tensor(long_prompt)), args.repeats)
+        t = best_seconds(lambda: hf(torch.tensor(long_prompt)), args.repeats)
     return [1024 / t, hf_decode_rate(hf, batch1, args.decode_tokens, args.repeats),
             hf_decode_rate(hf, batch16, args.decode_tokens, args.repeats)]
 

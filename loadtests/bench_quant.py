@@ -38,6 +38,7 @@ from engine.mathutils import cdiv
 from engine.models.default_model import default_model_path
 from engine.models.loader import load_model
 from engine.runner.inputs import ScheduledSeq, build_model_input
+from kernels.timing import best_seconds
 from loadtests.bench_engine import memcpy_bandwidth, torch_threads
 
 EVAL_TEXTS = (
@@ -131,19 +132,10 @@ def step_breakdown(llm: LLM, step_seconds: float, context: int = 48, repeats: in
     blocks = list(range(cdiv(context + 1, runner.block_size)))
     model_input = build_model_input([ScheduledSeq([1], context, blocks)], runner.block_size)
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    forward = best(lambda: model.forward(model_input.input_ids, model_input.positions, model_input.attn,
-                                         runner.kv_cache))
+    forward = best_seconds(lambda: model.forward(model_input.input_ids, model_input.positions, model_input.attn,
+                                                 runner.kv_cache), repeats, warmup=1)
     hidden = torch.randn(1, cfg.hidden_size)
-    head = best(lambda: model.compute_logits(hidden))
+    head = best_seconds(lambda: model.compute_logits(hidden), repeats, warmup=1)
     inter = torch.randn(1, cfg.intermediate_size)
     attn_out = torch.randn(1, cfg.num_heads * cfg.head_dim)
 
@@ -154,7 +146,7 @@ def step_breakdown(llm: LLM, step_seconds: float, context: int = 48, repeats: in
             model.linear(hidden, layer.gate_up_weight)
             model.linear(inter, layer.down_weight)
 
-    matmuls = best(layer_matmuls)
+    matmuls = best_seconds(layer_matmuls, repeats, warmup=1)
     engine = step_seconds - forward - head
     return (f"step {step_seconds * 1e3:.2f} ms = layer matmuls {matmuls * 1e3:.2f} + LM head {head * 1e3:.2f} "
             f"+ rest of forward {(forward - matmuls) * 1e3:.2f} + engine step {engine * 1e3:.2f}")

@@ -1,8 +1,9 @@
 // The decoder layers of a Llama-family model in one call, for steps of a few tokens (decode).
 //
-// engine/models/llama.py's forward calls about ten ops per layer from Python; at batch-1 decode
-// each call costs a few microseconds of Python and dispatcher work against ~20 us of arithmetic,
-// so the calls, not the kernels, were a third of the step. DecoderStack makes the same calls in
+// engine/models/llama.py's forward calls about ten ops per layer from Python, ~300 per batch-1
+// decode step, each a few microseconds of Python and dispatcher work (the q4 forward took 4.2 ms
+// that way in the decode loop, 2.2 ms through this class; docs/benchmarks.md, issue 18, on the
+// AVX-512 Xeon). DecoderStack makes the same calls in
 // the same order on the same arguments (the compiled ops of elementwise.cpp, attention.cpp and
 // quant_linear.cpp, found through the dispatcher once at construction), from C++: the result is
 // bit for bit the Python loop's with the compiled ops (tests/kernels/test_cpu_decoder_stack.py).

@@ -43,9 +43,6 @@
 #endif
 
 #include "vec.h"
-#ifndef PF_DIST
-#define PF_DIST 2
-#endif
 
 namespace pdserve {
 namespace {
@@ -424,7 +421,12 @@ T* thread_scratch(int slot, int64_t n) {
   return buffer.data();
 }
 
-void check_weight(const char* op, const at::Tensor& packed, int64_t K, int64_t out_features, int64_t format) {
+void check_weight(const char* op, const at::Tensor& packed, int64_t K, int64_t out_features, int64_t format,
+                  const std::optional<at::Tensor>& prefetch_next) {
+  TORCH_CHECK_VALUE(!prefetch_next.has_value() || !prefetch_next->defined() ||
+                        (prefetch_next->scalar_type() == at::kByte && prefetch_next->dim() == 3 &&
+                         prefetch_next->is_contiguous()),
+                    op, ": prefetch_next must be a contiguous uint8 [P, num_blocks, block bytes] tensor");
   TORCH_CHECK_VALUE(format == kQ8_0 || format == kQ4, op, ": format must be 0 (q8_0) or 1 (q4), got ", format);
   const int64_t bb = format == kQ4 ? block_bytes<kQ4>() : block_bytes<kQ8_0>();
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == bb &&
@@ -461,9 +463,6 @@ at::Tensor quant_linear_rows(const float* xp, int64_t xs, int64_t M, int64_t K, 
   // thread, done with its items, fetches the first item it will take of that one, so the next
   // call does not start on a cold stream.
   const bool chain = prefetch_next.has_value() && prefetch_next->defined();
-  TORCH_CHECK_VALUE(!chain || (prefetch_next->scalar_type() == at::kByte && prefetch_next->dim() == 3 &&
-                               prefetch_next->is_contiguous()),
-                    "quant_linear: prefetch_next must be a contiguous uint8 [P, num_blocks, block bytes] tensor");
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
@@ -495,7 +494,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
                     x.scalar_type());
   TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1,
                     "quant_linear: x must have stride 1 in its last dim");
-  check_weight("quant_linear", packed, x.size(1), out_features, format);
+  check_weight("quant_linear", packed, x.size(1), out_features, format, prefetch_next);
   return quant_linear_rows(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), packed, out_features, format,
                            exact, prefetch_next, x.options());
 }
@@ -522,7 +521,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant_linear(const at::Tensor& x, co
                         weight.size(0) == x.size(1) && weight.is_contiguous(),
                     "rms_norm_quant_linear: weight must be a contiguous float32 [", x.size(1), "] tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  check_weight("rms_norm_quant_linear", packed, K, out_features, format);
+  check_weight("rms_norm_quant_linear", packed, K, out_features, format, prefetch_next);
   at::Tensor residual_out = at::empty({M, K}, x.options());
   float* np = thread_scratch<float>(1, M * K);  // the normed rows: read by the matmul only
   const float* xp = x.data_ptr<float>();
