@@ -173,7 +173,8 @@ def measured_ops(table: Calibration):
               linear=_by_size([(bound, DualWeight.CALLS[impl]) for bound, impl in table.impls("linear")], rows),
               pack_quant=lambda blocks: DualWeight.pack_quant(blocks, quant_impls),
               quant_linear=_by_size([(bound, DualWeight.QUANT_CALLS[impl])
-                                     for bound, impl in table.impls("quant_linear")], rows))
+                                     for bound, impl in table.impls("quant_linear")], rows),
+              argmax_rows=compiled.argmax_rows)
     # The compiled quantized matmul for every size: its own handles and call, no DualWeight
     # indirection (a batch-1 decode step makes ~120 matmul calls).
     if quant_impls == {"cpu"}:

@@ -17,6 +17,9 @@
     ops.decoder_stack(model)                          -> the model's layers as one compiled call
                                                       (quantized weights), or None; serves steps
                                                       of up to ops.stack_max_tokens tokens
+    ops.argmax_rows(logits)                           -> each row's first argmax, or None when a
+                                                      row's maximum is not finite; None: torch's
+                                                      (engine.sampling.sampler.argmax_rows)
 
 'triton' runs the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1, for tests). 'cpu' is
 the production fp32 CPU path: for each op and size class, whichever of the compiled kernel
@@ -59,6 +62,9 @@ class Ops:
     # steps of at most stack_max_tokens tokens (where every op of the step is the compiled one)
     decoder_stack: Callable[..., Any] | None = None
     stack_max_tokens: int = 0
+    # the greedy sample [N, V] -> [int] | None, where compiled (not measured per size: one pass
+    # that gives the same indices, ~10x torch's max at a 49k vocabulary; loadtests/bench_engine)
+    argmax_rows: Callable[[torch.Tensor], list[int] | None] | None = None
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -129,4 +135,4 @@ def compiled_ops() -> Ops:
                silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
                paged_attention=paged_attention, pack_linear=pack_weight, linear=linear,
                pack_quant=pack, quant_linear=quant_linear, norm_quant_linear=rms_norm_quant_linear,
-               decoder_stack=build_stack, stack_max_tokens=sys.maxsize)
+               decoder_stack=build_stack, stack_max_tokens=sys.maxsize, argmax_rows=elementwise.row_argmax)

@@ -76,6 +76,7 @@ class ModelRunner:
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = loaded.config.eos_token_ids
         self.sampler = Sampler()
+        self._argmax_rows = ops.argmax_rows or argmax_rows  # plain greedy rows: the compiled pass where built
         self._copy_blocks = copy_blocks if self.backend == "triton" else copy_blocks_ref
 
     @property
@@ -132,7 +133,7 @@ class ModelRunner:
         if all(takes_argmax(r.sampling_params, r.output_token_ids, self.eos_token_ids) for r in requests):
             # plain greedy rows: the argmax, without building metadata (a batch-1 decode step's
             # sampling was ~0.1 ms of it); a non-finite row takes the full path, which names it
-            token_ids = argmax_rows(row_logits)
+            token_ids = self._argmax_rows(row_logits)
             if token_ids is not None:
                 for request, token_id in zip(requests, token_ids):
                     out.sampled[request.request_id] = [token_id]

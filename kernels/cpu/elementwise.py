@@ -6,6 +6,7 @@ Same signatures, return conventions and semantics as the torch references:
     rotary(q, k, positions, cos_sin_cache)             in place                       kernels.rotary
     store_kv(key, value, key_cache, value_cache, slot_mapping)   in place             kernels.store_kv
     silu_and_mul(x)                                    -> [N, I]                      kernels.activation
+    row_argmax(logits)                                 -> [int] | None    engine.sampling.sampler.argmax_rows
 
 A batch-1 decode step calls these ~150 times, so each wrapper is one call into the C++ op, which
 checks its arguments itself: a bad one raises ValueError naming it (fp16/bf16 included: this path
@@ -27,6 +28,7 @@ _rms_norm_residual = _ops.rms_norm_residual.default
 _rotary = _ops.rotary.default
 _store_kv = _ops.store_kv.default
 _silu_and_mul = _ops.silu_and_mul.default
+_row_argmax = _ops.row_argmax.default
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -55,3 +57,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [N, 2*I] (gate | up) -> silu(gate) * up: [N, I]."""
     return _silu_and_mul(x)
+
+
+def row_argmax(logits: torch.Tensor) -> list[int] | None:
+    """logits: [N, V] -> each row's index of its first maximum, or None when some row's maximum
+    is not finite (a NaN, or +-inf): what ``torch.max(logits, -1)`` gives for finite maxima, in
+    one pass of one thread over rows the LM head just wrote."""
+    indices: list[int] = _row_argmax(logits)
+    return None if -1 in indices else indices

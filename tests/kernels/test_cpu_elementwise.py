@@ -173,3 +173,39 @@ def test_bad_arguments_raise_value_error_naming_them(bad):
         fn(**args)
     # Every check runs before the first write: what is updated in place is untouched.
     assert all(torch.equal(args[name], tensor) for name, tensor in before.items())
+
+
+@pytest.mark.parametrize("vocab", [49152, 37, 5])  # whole vectors, a ragged tail, a tail only
+def test_row_argmax_is_torch_max_indices(vocab):
+    from engine.sampling.sampler import argmax_rows
+
+    logits = _randn(4, vocab + 3)[:, :vocab]  # row stride != vocab
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2, vocab - 1] = logits[2].max() + 1  # the maximum in the tail
+    logits[3] = 0.0
+    logits[3, vocab // 2] = -0.0  # all equal (-0.0 == 0.0): index 0, as torch's
+    assert cpu.row_argmax(logits) == argmax_rows(logits) == logits.max(dim=-1).indices.tolist()
+    assert cpu.row_argmax(logits)[1] == vocab // 3
+    assert cpu.row_argmax(logits[:0]) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_row_argmax_defers_rows_without_a_finite_maximum(bad):
+    logits = _randn(3, 100)
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 77] = bad
+    assert cpu.row_argmax(logits) is None
+    logits[1] = torch.arange(100.0)
+    logits[0, :50] = float("-inf")  # -inf values beside a finite maximum are fine
+    assert cpu.row_argmax(logits) == logits.max(dim=-1).indices.tolist()
+
+
+def test_row_argmax_rejects_bad_logits():
+    with pytest.raises(ValueError, match="logits must be 2-d"):
+        cpu.row_argmax(torch.zeros(10))
+    with pytest.raises(ValueError, match="float32"):
+        cpu.row_argmax(torch.zeros(2, 10, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="at least one column"):
+        cpu.row_argmax(torch.zeros(2, 0))

@@ -44,8 +44,10 @@ def test_get_ops_tables():
     assert triton_ops.paged_attention is paged_attention and triton_ops.store_kv is store_kv
     assert {f.name for f in dataclasses.fields(Ops)} == {
         "rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "pack_linear", "linear",
-        "pack_quant", "quant_linear", "norm_quant_linear", "decoder_stack", "stack_max_tokens"}
+        "pack_quant", "quant_linear", "norm_quant_linear", "decoder_stack", "stack_max_tokens",
+        "argmax_rows"}
     assert torch_ops.decoder_stack is None and triton_ops.decoder_stack is None  # the compiled CPU path only
+    assert torch_ops.argmax_rows is None and triton_ops.argmax_rows is None  # the runner takes torch's
     from kernels.quant import quant_linear_ref
     from kernels.quant_triton import quant_linear
 

@@ -1,5 +1,6 @@
 // The small per-layer ops of a Llama block, compiled for CPU: rms_norm (optionally fused with the
-// residual add), rotary (in place), store_kv (in place into the paged cache) and silu_and_mul.
+// residual add), rotary (in place), store_kv (in place into the paged cache) and silu_and_mul;
+// and row_argmax, the greedy sample of a row of logits.
 //
 // Same contracts as the torch references (kernels/rms_norm.py, rotary.py, store_kv.py,
 // activation.py), fp32 only. At batch 1 each op is a few hundred nanoseconds of arithmetic, so
@@ -18,6 +19,7 @@
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "vec.h"
 
@@ -375,6 +377,51 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// logits: [N, V] (row stride free) -> per row the index of its first maximum, or -1 for a row
+// whose maximum is not finite (a NaN anywhere, or every value -inf, or a +inf): the indices
+// torch.max(logits, dim=-1) returns, where its values are finite. A greedy decode step's
+// sample: torch's max over a 49152-token vocabulary took ~0.1 ms inside the decode loop (its
+// reduction machinery on logits the LM head's threads just wrote), this one pass ~10 us.
+// One thread: the row sits in the caches the LM head wrote it to.
+std::vector<int64_t> row_argmax(const at::Tensor& logits) {
+  check_tensor("logits", logits, {-1, -1}, Kind::kFloat32);
+  const int64_t num_rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK_VALUE(vocab > 0, "logits must have at least one column, got shape ", tuple_str(logits.sizes()));
+  std::vector<int64_t> out(num_rows, -1);
+  const float* base = logits.const_data_ptr<float>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const float* x = base + row * logits.stride(0);
+    // pass 1: the maximum; a NaN fails every comparison, so it is counted, not taken
+    vfloat vmax = vsplat(-INFINITY);
+    vint nan = vint{};
+    int64_t i = 0;
+    for (; i + kLanes <= vocab; i += kLanes) {
+      const vfloat v = vload(x + i);
+      nan |= v != v;
+      vmax = v > vmax ? v : vmax;
+    }
+    float best = vmax_lane(vmax);
+    bool has_nan = false;
+    for (int lane = 0; lane < kLanes; ++lane) has_nan |= nan[lane] != 0;
+    for (; i < vocab; ++i) {
+      has_nan |= x[i] != x[i];
+      best = x[i] > best ? x[i] : best;
+    }
+    if (has_nan || !std::isfinite(best)) continue;
+    // pass 2: its first index (== also matches -0.0 against 0.0, as torch's ties do)
+    const vfloat target = vsplat(best);
+    for (i = 0; i + kLanes <= vocab; i += kLanes) {
+      const vint hit = vload(x + i) == target;
+      bool any = false;
+      for (int lane = 0; lane < kLanes; ++lane) any |= hit[lane] != 0;
+      if (any) break;
+    }
+    while (x[i] != best) ++i;  // the first hit in that vector, or in the tail
+    out[row] = i;
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace pdserve
 
@@ -387,4 +434,5 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_NAMESPACE, m) {
         "Tensor slot_mapping) -> ()",
         &pdserve::store_kv);
   m.def("silu_and_mul(Tensor x) -> Tensor", &pdserve::silu_and_mul);
+  m.def("row_argmax(Tensor logits) -> int[]", &pdserve::row_argmax);
 }
