@@ -1,6 +1,7 @@
 """The compiled decoder stack (kernels/cpu/decoder_stack.py) against the model's Python layer
 loop with the same compiled ops: the same bits, on decode, prefill and mixed steps, a prefix of
-the layers, an int8 KV cache, fp32 activations and qkv biases; and its refusals.
+the layers, an int8 KV cache, fp32 activations and qkv biases; and its refusals. The decode and
+mixed steps (up to 32 rows) take the stack's team path, the 40-token prefill its op calls.
 
 The model is the default one cut to two layers (its own Q4_1 blocks, Q8_0 head)."""
 
@@ -121,6 +122,21 @@ def test_long_queries_go_to_the_python_loop_and_bad_calls_are_refused(two_layers
         stacked.stack.forward(embedded, small.positions, small.attn, cache, num_layers=3)
     with pytest.raises(ValueError, match="kv_cache must be"):
         stacked.stack.forward(embedded, small.positions, small.attn, cache[:, 0])
+    with pytest.raises(ValueError, match="hidden must be a contiguous float32"):
+        stacked.stack.forward(embedded[:, :100], small.positions, small.attn, cache)
+
+
+def test_the_team_path_on_one_thread_and_on_every_thread(two_layers):
+    """The team splits each matmul's columns between the threads it gets: any count, the same bits."""
+    looped, stacked = models(*two_layers)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        (h1, c1), (h2, c2) = run_both(looped, stacked, STEPS["decode batch 3"])
+    finally:
+        torch.set_num_threads(threads)
+    (h3, c3), _ = run_both(looped, stacked, STEPS["decode batch 3"])
+    assert torch.equal(h1, h2) and torch.equal(c1, c2) and torch.equal(h1, h3) and torch.equal(c1, c3)
 
 
 def test_no_stack_without_compiled_quantized_weights(two_layers):

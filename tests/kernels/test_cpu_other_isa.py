@@ -20,7 +20,8 @@ from kernels.cpu import ISA_ENV, runnable_isas
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["tests/kernels/test_cpu_linear.py", "tests/kernels/test_cpu_attention.py",
            "tests/kernels/test_cpu_elementwise.py", "tests/kernels/test_cpu_quant_linear.py",
-           "tests/kernels/test_cpu_kv_quant.py", "tests/kernels/test_cpu_attention_bf16.py"]
+           "tests/kernels/test_cpu_kv_quant.py", "tests/kernels/test_cpu_attention_bf16.py",
+           "tests/kernels/test_cpu_decoder_stack.py"]
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the native build is the AVX2 code here")

@@ -322,36 +322,6 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   });
 }
 
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// e^x per lane, Cephes expf (about 1 ulp): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
-// polynomial, 2^n written into the exponent bits. Inputs clamp to [-87.3, 88.3], where 2^n stays a
-// normal float: e^x for x < -87.3 comes out ~1e-38 instead of smaller, which silu never notices.
-vfloat vexp(vfloat x) {
-  x = x < vsplat(88.3f) ? x : vsplat(88.3f);
-  x = x > vsplat(-87.3f) ? x : vsplat(-87.3f);
-  // Round x / ln2 to the nearest integer by adding 1.5 * 2^23: the integer lands in the low mantissa bits.
-  const vfloat shifter = vsplat(12582912.f);
-  const vfloat shifted = x * vsplat(1.44269504088896341f) + shifter;
-  const vfloat n = shifted - shifter;
-  vint n_int, shifter_bits;
-  std::memcpy(&n_int, &shifted, sizeof n_int);
-  std::memcpy(&shifter_bits, &shifter, sizeof shifter_bits);
-  n_int -= shifter_bits;
-  const vfloat r = x - n * vsplat(0.693359375f) - n * vsplat(-2.12194440e-4f);  // ln2 split in two
-  vfloat p = vsplat(1.9875691500e-4f);
-  p = p * r + vsplat(1.3981999507e-3f);
-  p = p * r + vsplat(8.3334519073e-3f);
-  p = p * r + vsplat(4.1665795894e-2f);
-  p = p * r + vsplat(1.6666665459e-1f);
-  p = p * r + vsplat(5.0000001201e-1f);
-  p = p * r * r + r + vsplat(1.f);
-  const vint exponent = (n_int + 127) << 23;
-  vfloat pow2n;
-  std::memcpy(&pow2n, &exponent, sizeof pow2n);
-  return p * pow2n;
-}
-
 // x: [N, 2I] = [gate | up] (row stride free) -> [N, I] = silu(gate) * up.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_tensor("x", x, {-1, -1}, Kind::kFloat32);
@@ -364,14 +334,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::parallel_for(0, num_rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* gate = x_ptr + row * stride_x;
-      const float* up = gate + inter;
-      float* o = out_ptr + row * inter;
-      int64_t i = 0;
-      for (; i + kLanes <= inter; i += kLanes) {
-        const vfloat g = vload(gate + i);
-        vstore(o + i, g / (vsplat(1.f) + vexp(-g)) * vload(up + i));
-      }
-      for (; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      silu_and_mul_row(gate, gate + inter, out_ptr + row * inter, inter);
     }
   });
   return out;

@@ -153,4 +153,43 @@ inline void rms_norm_row(const float* x, const float* weight, float* out, int64_
   for (; i < n; ++i) out[i] = x[i] * inv_rms * weight[i];
 }
 
+// e^x per lane, Cephes expf (about 1 ulp): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
+// polynomial, 2^n written into the exponent bits. Inputs clamp to [-87.3, 88.3], where 2^n stays a
+// normal float: e^x for x < -87.3 comes out ~1e-38 instead of smaller, which silu never notices.
+inline vfloat vexp(vfloat x) {
+  x = x < vsplat(88.3f) ? x : vsplat(88.3f);
+  x = x > vsplat(-87.3f) ? x : vsplat(-87.3f);
+  // Round x / ln2 to the nearest integer by adding 1.5 * 2^23: the integer lands in the low mantissa bits.
+  const vfloat shifter = vsplat(12582912.f);
+  const vfloat shifted = x * vsplat(1.44269504088896341f) + shifter;
+  const vfloat n = shifted - shifter;
+  vint n_int, shifter_bits;
+  std::memcpy(&n_int, &shifted, sizeof n_int);
+  std::memcpy(&shifter_bits, &shifter, sizeof shifter_bits);
+  n_int -= shifter_bits;
+  const vfloat r = x - n * vsplat(0.693359375f) - n * vsplat(-2.12194440e-4f);  // ln2 split in two
+  vfloat p = vsplat(1.9875691500e-4f);
+  p = p * r + vsplat(1.3981999507e-3f);
+  p = p * r + vsplat(8.3334519073e-3f);
+  p = p * r + vsplat(4.1665795894e-2f);
+  p = p * r + vsplat(1.6666665459e-1f);
+  p = p * r + vsplat(5.0000001201e-1f);
+  p = p * r * r + r + vsplat(1.f);
+  const vint exponent = (n_int + 127) << 23;
+  vfloat pow2n;
+  std::memcpy(&pow2n, &exponent, sizeof pow2n);
+  return p * pow2n;
+}
+
+// out = silu(gate) * up = gate / (1 + e^-gate) * up for one row of n floats: elementwise.cpp's
+// silu_and_mul and decoder_stack.cpp's decode step share it, so they give the same bits.
+inline void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat g = vload(gate + i);
+    vstore(out + i, g / (vsplat(1.f) + vexp(-g)) * vload(up + i));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
 }  // namespace pdserve
