@@ -14,10 +14,12 @@ the streaming-read bound: the bytes one decode step reads (the model's ``weight_
 the machine's streaming-read bandwidth measured in the same run. With ``--llama-bench`` (a
 llama.cpp build: ``make peers-llama``), llama.cpp's ``llama-bench`` decodes the same GGUF file
 with as many threads, once per round between the formats, and its best rate joins the table.
-With ``--breakdown``, where one batch-1 decode step of each format goes: the layer matmuls and
-the LM head alone (the model's own calls replayed on its packed weights), the rest of the
-model's forward (attention, norms, rotary, Python), and the engine's step around it (scheduler,
-input building, sampler, detokenizer) as the measured step minus the forward and the head.
+With ``--breakdown``, where one batch-1 decode step of each format goes: the model's forward
+(layers and final norm), the LM head, and the engine's step around them (scheduler, input
+building, sampler, detokenizer) as the measured step minus the forward and the head; and, for
+scale, the layer matmuls alone as separate calls on the model's packed weights (the decoder
+stack's team path makes them in fewer parallel regions, so they can take longer alone than the
+whole forward).
 Prints the CPU, its SIMD flags, the thread count and the load average (the machine may be shared).
 """
 
@@ -124,8 +126,9 @@ def _prefix(ours: list[int], reference: list[int]) -> int:
 
 
 def step_breakdown(llm: LLM, step_seconds: float, context: int = 48, repeats: int = 30) -> str:
-    """One line: a batch-1 decode step's ``step_seconds`` split into the layer matmuls, the LM
-    head, the rest of the forward, and the engine around it (best of ``repeats`` each, ms)."""
+    """One line: a batch-1 decode step's ``step_seconds`` split into the forward, the LM head and
+    the engine around them, and the layer matmuls alone as separate calls (best of ``repeats``
+    each, ms)."""
     runner = llm.engine.runner
     model = runner.model
     cfg = model.config
@@ -148,8 +151,8 @@ def step_breakdown(llm: LLM, step_seconds: float, context: int = 48, repeats: in
 
     matmuls = best_seconds(layer_matmuls, repeats, warmup=1)
     engine = step_seconds - forward - head
-    return (f"step {step_seconds * 1e3:.2f} ms = layer matmuls {matmuls * 1e3:.2f} + LM head {head * 1e3:.2f} "
-            f"+ rest of forward {(forward - matmuls) * 1e3:.2f} + engine step {engine * 1e3:.2f}")
+    return (f"step {step_seconds * 1e3:.2f} ms = forward {forward * 1e3:.2f} + LM head {head * 1e3:.2f} "
+            f"+ engine step {engine * 1e3:.2f}; layer matmuls as separate calls {matmuls * 1e3:.2f}")
 
 
 def llama_bench_rate(binary: str, model: str, num_tokens: int, num_threads: int) -> float:
