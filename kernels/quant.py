@@ -1,16 +1,19 @@
 """Weights in GGUF block formats, and the pure-torch reference of the quantized linear.
 
 A ``QuantRows`` is an ``[out, in]`` matrix (HF's Linear layout) whose rows are stored as the
-GGUF file stores them: ``in / 32`` blocks of 32 values per row, each block
+GGUF file stores them: blocks of 32 values per row (256 for the K-quant), each block
 
     q8_0  d fp16 | 32 x int8 q                  value = d * q            (34 bytes)
     q4_0  d fp16 | 16 bytes                     value = d * (q - 8)      (18 bytes)
     q4_1  d fp16 | m fp16 | 16 bytes            value = d * q + m        (20 bytes)
+    q4_k  d fp16 | dmin fp16 | 12 bytes of 6-bit scales sc[8] and mins mn[8] | 128 bytes
+          (256 values, 8 sub-blocks of 32)      value = d * sc[j] * q - dmin * mn[j]   (144 bytes)
 
-with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one. The
-kernels serve two layouts: ``q8_0``, and ``q4_1`` for every 4-bit block (``to_q4_1`` rewrites
-a Q4_0 block exactly: m = -8 d). Rows can be reordered and concatenated as bytes, so fused
-matmuls (q/k/v, gate/up) keep the file's blocks.
+with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q4_k:
+byte i of each 32 holds sub-block 2c's input i and sub-block 2c + 1's input i, llama.cpp's
+order). The kernels serve three layouts: ``q8_0``, ``q4_1`` for Q4_0/Q4_1 blocks (``to_q4_1``
+rewrites a Q4_0 block exactly: m = -8 d), and ``q4_k``. Rows can be reordered and concatenated
+as bytes, so fused matmuls (q/k/v, gate/up) keep the file's blocks.
 
     rows = QuantRows.from_gguf("q4_1", raw_bytes, in_features)
     w = dequantize(rows)                 # fp32 [out, in], the values HF's loader produces
@@ -25,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+BLOCK = 32  # inputs per block of x the kernels quantize, and per (sub-)block of every format
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}
+BLOCK_VALUES = {"q8_0": BLOCK, "q4_0": BLOCK, "q4_1": BLOCK, "q4_k": 256}  # inputs per block
 FORMATS = tuple(BLOCK_BYTES)
 
 
@@ -42,9 +46,11 @@ class QuantRows:
     def __post_init__(self) -> None:
         if self.format not in BLOCK_BYTES:
             raise ValueError(f"format must be one of {'|'.join(FORMATS)}, got {self.format!r}")
-        if self.in_features <= 0 or self.in_features % BLOCK:
-            raise ValueError(f"in_features must be a positive multiple of {BLOCK}, got {self.in_features}")
-        expected = self.in_features // BLOCK * BLOCK_BYTES[self.format]
+        values = BLOCK_VALUES[self.format]
+        if self.in_features <= 0 or self.in_features % values:
+            raise ValueError(f"{self.format} needs in_features a positive multiple of {values}, "
+                             f"got {self.in_features}")
+        expected = self.in_features // values * BLOCK_BYTES[self.format]
         if self.data.dtype != np.uint8 or self.data.ndim != 2 or self.data.shape[1] != expected:
             raise ValueError(f"{self.format} rows of {self.in_features} inputs need uint8 data [out, {expected}], "
                              f"got {self.data.dtype} {self.data.shape}")
@@ -55,7 +61,7 @@ class QuantRows:
 
     @property
     def num_blocks(self) -> int:
-        return self.in_features // BLOCK
+        return self.in_features // BLOCK_VALUES[self.format]
 
     @property
     def nbytes(self) -> int:
@@ -79,34 +85,75 @@ def to_q4_1(rows: QuantRows) -> QuantRows:
     return QuantRows("q4_1", out.reshape(rows.out_features, -1), rows.in_features)
 
 
+def kernel_format(fmt: str) -> str:
+    """The layout the kernels serve ``fmt`` in: q4_0 as q4_1, the others as they are."""
+    return "q4_1" if fmt == "q4_0" else fmt
+
+
 def cat_rows(parts: list[QuantRows]) -> QuantRows:
-    """Row-wise concatenation (a fused q/k/v or gate/up); 4-bit parts become q4_1."""
-    if any(p.format != "q8_0" for p in parts):
-        parts = [to_q4_1(p) for p in parts]
+    """Row-wise concatenation (a fused q/k/v or gate/up); Q4_0 and Q4_1 parts become q4_1.
+    ValueError for parts of different kernel formats or input sizes."""
+    if any(p.format == "q4_0" for p in parts):
+        parts = [to_q4_1(p) if p.format == "q4_0" else p for p in parts]
     if len({(p.format, p.in_features) for p in parts}) != 1:
         raise ValueError(f"cannot fuse rows of {[(p.format, p.in_features) for p in parts]}")
     return QuantRows(parts[0].format, np.concatenate([p.data for p in parts]), parts[0].in_features)
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantRows:
-    """fp32 [out, in] -> ``fmt`` blocks, by gguf's reference quantizer (llama.cpp's rounding)."""
+    """fp32 [out, in] -> ``fmt`` blocks, by gguf's reference quantizer (llama.cpp's rounding);
+    q4_k (which gguf cannot quantize) by ``quantize_q4_k``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
     if w.dim() != 2:
         raise ValueError(f"quantize takes a 2-d [out, in] matrix, got shape {tuple(w.shape)}")
+    if fmt == "q4_k":
+        return quantize_q4_k(w)
     qtype = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
              "q4_1": GGMLQuantizationType.Q4_1}[fmt]
     data = gguf_quantize(np.ascontiguousarray(w.detach().float().cpu().numpy()), qtype)
     return QuantRows(fmt, np.ascontiguousarray(data, dtype=np.uint8), int(w.shape[1]))
 
 
+def quantize_q4_k(w: torch.Tensor) -> QuantRows:
+    """fp32 [out, in] (in a multiple of 256) -> Q4_K blocks by plain rounding: per sub-block of
+    32 the range [min(0, lo), hi] in 15 steps, the 8 steps and mins of a super-block in 6 bits
+    against its d and dmin. Valid blocks for tests and benchmarks (llama.cpp searches each
+    sub-block's scale and min for a smaller error; files quantized by it load as they are)."""
+    if w.dim() != 2 or w.shape[1] % 256:
+        raise ValueError(f"q4_k takes [out, in] with in a multiple of 256, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    x = w.detach().double().cpu().numpy().reshape(n, k // 256, 8, BLOCK)
+    lo, hi = np.minimum(x.min(axis=3), 0.0), x.max(axis=3)
+    step = np.maximum(hi - lo, 1e-30) / 15  # [n, nb, 8]
+    d = (step.max(axis=2, keepdims=True) / 63).astype(np.float16)
+    dmin = ((-lo).max(axis=2, keepdims=True) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float64), dmin.astype(np.float64)
+    sc = np.clip(np.round(step / np.where(d32 > 0, d32, 1)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
+    scale, offset = d32 * sc, dmin32 * mn
+    q = np.clip(np.round((x + offset[..., None]) / np.where(scale > 0, scale, 1)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.empty((n, k // 256, 12), dtype=np.uint8)  # q4_k_scales' inverse
+    scales[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    chunks = q.reshape(n, k // 256, 4, 2, BLOCK)  # chunk c: sub-block 2c low nibbles, 2c + 1 high
+    qs = (chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=2)
+    return QuantRows("q4_k", blocks.reshape(n, -1), k)
+
+
 def random_rows(out_features: int, in_features: int, fmt: str, seed: int = 0) -> QuantRows:
     """Random blocks of weight scale ~in^-0.5 without running a quantizer (fast, for timing)."""
     rng = np.random.default_rng(seed)
-    nb, size = in_features // BLOCK, BLOCK_BYTES[fmt]
+    nb, size = in_features // BLOCK_VALUES[fmt], BLOCK_BYTES[fmt]
     blocks = rng.integers(0, 256, (out_features, nb, size), dtype=np.uint8)
     step = (2.0 if fmt == "q8_0" else 32.0) / 127 / in_features ** 0.5
+    if fmt == "q4_k":  # d, dmin per super-block; the random 6-bit scales and mins are 0..63
+        blocks[:, :, :2] = np.full((out_features, nb, 1), step / 32, dtype=np.float16).view(np.uint8)
+        blocks[:, :, 2:4] = np.full((out_features, nb, 1), 7.5 * step / 32, dtype=np.float16).view(np.uint8)
+        return QuantRows(fmt, blocks.reshape(out_features, -1), in_features)
     blocks[:, :, :2] = np.full((out_features, nb, 1), step, dtype=np.float16).view(np.uint8)
     if fmt == "q4_1":
         blocks[:, :, 2:4] = np.full((out_features, nb, 1), -7.5 * step, dtype=np.float16).view(np.uint8)
@@ -115,6 +162,9 @@ def random_rows(out_features: int, in_features: int, fmt: str, seed: int = 0) ->
 
 def dequantize(rows: QuantRows) -> torch.Tensor:
     """fp32 [out, in]: exactly the values of the stored blocks (d * q [+ m] in fp32)."""
+    if rows.format == "q4_k":
+        d, offsets, q = q4_k_parts(rows)
+        return (d.repeat_interleave(BLOCK, dim=1) * q + offsets.repeat_interleave(BLOCK, dim=1)).float()
     blocks = torch.from_numpy(np.array(rows.blocks()))  # a copy: the file map is read-only
     d = blocks[:, :, :2].contiguous().view(torch.float16).float()
     if rows.format == "q8_0":
@@ -126,6 +176,35 @@ def dequantize(rows: QuantRows) -> torch.Tensor:
         return (d * (q - 8)).reshape(rows.out_features, rows.in_features)
     m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()
     return (d * q + m).reshape(rows.out_features, rows.in_features)
+
+
+def q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K block's 12 scale bytes [..., 12] -> (sc, mn) uint8 [..., 8], llama.cpp's
+    get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7; 4-7 split between
+    the low (sc) / high (mn) nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 / 4-7."""
+    sc = np.empty((*scales.shape[:-1], 8), dtype=np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = scales[..., 0:4] & 63
+    mn[..., :4] = scales[..., 4:8] & 63
+    sc[..., 4:] = (scales[..., 8:12] & 15) | ((scales[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (scales[..., 8:12] >> 4) | ((scales[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def q4_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows as 32-input sub-blocks: (scale d * sc, offset -dmin * mn) float64 [out, in / 32]
+    (both exact: fp16 times a 6-bit integer) and the 4-bit codes q float64 [out, in], inputs
+    in order; a value is scale * q + offset."""
+    blocks = np.array(rows.blocks())  # [out, nb, 144]
+    n, nb = blocks.shape[:2]
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)  # [out, nb, 1]
+    dmin = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)
+    sc, mn = q4_k_scales(blocks[:, :, 4:16])
+    qs = blocks[:, :, 16:].reshape(n, nb, 4, 32)  # 4 chunks of 64 inputs: low nibbles, then high
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, rows.in_features)
+    scale = (d * sc).reshape(n, -1)
+    offset = -(dmin * mn).reshape(n, -1)
+    return torch.from_numpy(scale), torch.from_numpy(offset), torch.from_numpy(q.astype(np.float64))
 
 
 def pack_quant_ref(rows: QuantRows) -> torch.Tensor:
@@ -156,15 +235,19 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def quant_linear_int8_ref(x: torch.Tensor, rows: QuantRows) -> torch.Tensor:
     """The compiled kernel's arithmetic in float64: x [M, in] quantized per block
-    (``quantize_activations_ref``) times the blocks' d * q, plus each block's offset m (4-bit)
-    times the exact sum of x over the block. -> [M, out] float64."""
+    (``quantize_activations_ref``) times the blocks' d * q, plus each (sub-)block's offset m
+    (4-bit) times the exact sum of x over the block. -> [M, out] float64."""
     xq, dx = quantize_activations_ref(x)
-    m_rows, nb = x.shape[0], rows.num_blocks
+    m_rows, nb = x.shape[0], rows.in_features // BLOCK
     x_hat = (xq.double().reshape(m_rows, nb, BLOCK) * dx.double()[:, :, None]).reshape(x.shape)
     if rows.format == "q8_0":
         return x_hat @ dequantize(rows).double().t()
-    fused = to_q4_1(rows).blocks()
-    m = torch.from_numpy(np.array(fused[:, :, 2:4])).view(torch.float16).double().reshape(rows.out_features, nb)
-    scaled = dequantize(rows).double() - m.repeat_interleave(BLOCK, dim=1)  # d * q per input
+    if rows.format == "q4_k":
+        scale, m, q = q4_k_parts(rows)
+        scaled = scale.repeat_interleave(BLOCK, dim=1) * q
+    else:
+        fused = to_q4_1(rows).blocks()
+        m = torch.from_numpy(np.array(fused[:, :, 2:4])).view(torch.float16).double().reshape(rows.out_features, -1)
+        scaled = dequantize(rows).double() - m.repeat_interleave(BLOCK, dim=1)  # d * q per input
     xsum = x.double().reshape(m_rows, nb, BLOCK).sum(dim=2)
     return x_hat @ scaled.t() + xsum @ m.t()

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from kernels.cpu import library
-from kernels.quant import BLOCK, QuantRows, to_q4_1
+from kernels.quant import BLOCK_VALUES, QuantRows, q4_k_scales, to_q4_1
 
 _ops = library("quant_linear")
 _quant_linear = _ops.quant_linear.default
 _rms_norm_quant_linear = _ops.rms_norm_quant_linear.default
 LANES = library("linear").linear_lanes()
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1}
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2}
+_FORMATS = {v: k for k, v in FORMAT_IDS.items()}
 ACTIVATIONS_ENV = "PDSERVE_CPU_QUANT_ACTIVATIONS"
 ACTIVATIONS = ("int8", "fp32")
 
@@ -60,7 +61,7 @@ class PackedQuant:
 
     @property
     def in_features(self) -> int:
-        return self.panels.shape[1] * BLOCK
+        return self.panels.shape[1] * BLOCK_VALUES[_FORMATS[self.format_id]]
 
     @property
     def nbytes(self) -> int:
@@ -68,12 +69,12 @@ class PackedQuant:
 
 
 def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
-    """QuantRows -> the kernel's panel layout (4-bit as q4_1; the last panel zero-padded), for
-    ``activations`` int8 or fp32 (None: ``activations_mode()``)."""
+    """QuantRows -> the kernel's panel layout (Q4_0 as q4_1, Q4_K in its own; the last panel
+    zero-padded), for ``activations`` int8 or fp32 (None: ``activations_mode()``)."""
     if activations not in (None, *ACTIVATIONS):
         raise ValueError(f"activations must be one of {'|'.join(ACTIVATIONS)}, got {activations!r}")
     exact = (activations or activations_mode()) == "fp32"
-    if rows.format != "q8_0":
+    if rows.format == "q4_0":
         rows = to_q4_1(rows)
     blocks = rows.blocks()  # [N, nb, bytes]
     n, nb, _ = blocks.shape
@@ -81,6 +82,9 @@ def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
     padded = np.zeros((num_panels * LANES, nb, blocks.shape[2]), dtype=np.uint8)
     padded[:n] = blocks
     per_lane = padded.reshape(num_panels, LANES, nb, -1).transpose(0, 2, 1, 3)  # [P, nb, L, bytes]
+    if rows.format == "q4_k":
+        panel = _q4_k_panels(per_lane)
+        return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS["q4_k"], exact)
     if rows.format == "q8_0":
         header, quants = per_lane[..., :2], per_lane[..., 2:]  # d | 32 q
     else:
@@ -91,6 +95,21 @@ def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
     quants = quants.reshape(num_panels, nb, LANES, -1, 4).transpose(0, 1, 3, 2, 4)  # [P, nb, group, lane, 4]
     panel = np.concatenate([header.reshape(num_panels, nb, -1), quants.reshape(num_panels, nb, -1)], axis=2)
     return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS[rows.format], exact)
+
+
+def _q4_k_panels(per_lane: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks [P, nb, L, 144] -> the kernel's [P, nb, 148 L]: d and dmin per lane, the
+    6-bit scales and mins a byte each ([8][L] apiece), and per sub-block of 32 its 16 bytes in the
+    4-bit layout (byte i: input i low, input 16 + i high), in groups of 4 per lane."""
+    p, nb, lanes, _ = per_lane.shape
+    d, dmin = per_lane[..., 0:2], per_lane[..., 2:4]
+    sc, mn = q4_k_scales(per_lane[..., 4:16])  # [P, nb, L, 8]
+    chunks = per_lane[..., 16:].reshape(p, nb, lanes, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    values = np.stack([chunks & 15, chunks >> 4], axis=4).reshape(p, nb, lanes, 8, 32)
+    packed = values[..., :16] | (values[..., 16:] << 4)  # [P, nb, L, 8, 16]
+    quants = packed.reshape(p, nb, lanes, 8, 4, 4).transpose(0, 1, 3, 4, 2, 5)  # [P, nb, sub, group, L, 4]
+    parts = [d, dmin, sc.transpose(0, 1, 3, 2), mn.transpose(0, 1, 3, 2), quants]
+    return np.concatenate([part.reshape(p, nb, -1) for part in parts], axis=2)
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Dequantize-in-kernel GEMV/GEMM in Triton for GGUF blocks (Q8_0 and 4-bit, see kernels.quant).
+"""Dequantize-in-kernel GEMV/GEMM in Triton for GGUF blocks (Q8_0, 4-bit and Q4_K, see kernels.quant).
 
     handle = pack(rows, device)        # QuantRows -> TritonQuant: quants, scales, offsets on device
     y = quant_linear(x, handle)        # x [M, in] fp32 -> [M, out] fp32
@@ -6,7 +6,10 @@
 ``pack`` splits the blocks once into three plain tensors (no value changes): ``qs`` the quant
 bytes [out, in / 32 * bytes per block's quants] as stored (4-bit: byte i of a block holds
 input i low and input i + 16 high; Q8_0: one int8 per input), ``d`` and ``m`` the per-block
-fp16 scale and offset [out, in / 32] (m = 0 for Q8_0, -8 d for Q4_0). Each program computes
+fp16 scale and offset [out, in / 32] (m = 0 for Q8_0, -8 d for Q4_0). Q4_K keeps its
+super-block d and dmin [out, in / 256] and its 6-bit sub-block scales and mins a byte each
+[out, in / 32]: a sub-block's scale is d * sc, its offset -dmin * mn, formed in registers (its
+quant bytes are reordered at pack time to the 4-bit layout above). Each program computes
 BLOCK_N outputs of one row of x, streaming BLOCK_K inputs at a time: it loads the quant bytes,
 unpacks and scales them in registers, and accumulates x * w in fp32. Weights stay 4/8-bit in
 memory; that is the point on a GPU, where decode is bound by the bytes read. Tested on CPU
@@ -22,7 +25,7 @@ import torch
 
 from kernels._checks import check_tensor
 from kernels._triton import check_launchable, tl, triton
-from kernels.quant import BLOCK, QuantRows, to_q4_1
+from kernels.quant import BLOCK, BLOCK_VALUES, QuantRows, q4_k_scales, to_q4_1
 
 BLOCK_N, BLOCK_K = 16, 64
 
@@ -30,9 +33,11 @@ BLOCK_N, BLOCK_K = 16, 64
 @dataclass(frozen=True, slots=True)
 class TritonQuant:
     qs: torch.Tensor  # uint8 [out, in / 2] (4-bit) or int8 [out, in] (Q8_0)
-    d: torch.Tensor  # fp16 [out, in / 32]
-    m: torch.Tensor  # fp16 [out, in / 32]
+    d: torch.Tensor  # fp16 [out, in / 32]; Q4_K: d [out, in / 256]
+    m: torch.Tensor  # fp16 [out, in / 32]; Q4_K: dmin [out, in / 256]
     four_bit: bool
+    sc: torch.Tensor | None = None  # Q4_K only: uint8 [out, in / 32] sub-block scales
+    mn: torch.Tensor | None = None  # ... and mins
 
     @property
     def out_features(self) -> int:
@@ -40,11 +45,13 @@ class TritonQuant:
 
     @property
     def in_features(self) -> int:
-        return self.d.shape[1] * BLOCK
+        return self.d.shape[1] * (BLOCK if self.sc is None else BLOCK_VALUES["q4_k"])
 
 
 def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
     """Split ``rows`` into quants, scales and offsets on ``device``."""
+    if rows.format == "q4_k":
+        return _pack_q4_k(rows, device)
     four_bit = rows.format != "q8_0"
     if four_bit:
         rows = to_q4_1(rows)
@@ -60,9 +67,24 @@ def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
     return TritonQuant(qs.to(device), d.to(device), m.to(device), four_bit)
 
 
+def _pack_q4_k(rows: QuantRows, device: torch.device | str) -> TritonQuant:
+    blocks = np.array(rows.blocks())  # [out, nb, 144]
+    n, nb, _ = blocks.shape
+    d = torch.from_numpy(blocks[:, :, 0:2].copy()).view(torch.float16).reshape(n, nb)
+    dmin = torch.from_numpy(blocks[:, :, 2:4].copy()).view(torch.float16).reshape(n, nb)
+    sc, mn = q4_k_scales(blocks[:, :, 4:16])  # [out, nb, 8]
+    chunks = blocks[:, :, 16:].reshape(n, nb, 4, 32)  # chunk c: sub-block 2c low nibbles, 2c + 1 high
+    values = np.stack([chunks & 15, chunks >> 4], axis=3).reshape(n, nb * 8, 32)
+    qs = (values[:, :, :16] | (values[:, :, 16:] << 4)).reshape(n, nb * 8 * 16)
+    return TritonQuant(torch.from_numpy(qs).to(device), d.to(device), dmin.to(device), True,
+                       torch.from_numpy(sc.reshape(n, nb * 8)).to(device),
+                       torch.from_numpy(mn.reshape(n, nb * 8)).to(device))
+
+
 @triton.jit
-def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
-                       stride_out, FOUR_BIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
+                       stride_sc, stride_out, FOUR_BIT: tl.constexpr, K_QUANT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -80,8 +102,16 @@ def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, N, K, stride_x, str
             q = ((byte >> ((within // 16) * 4)[None, :]) & 15).to(tl.float32)
         else:
             q = tl.load(qs_ptr + cols[:, None] * stride_qs + ks[None, :], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + cols[:, None] * stride_d + block[None, :], mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + cols[:, None] * stride_d + block[None, :], mask=mask, other=0.0).to(tl.float32)
+        if K_QUANT:  # sub-block scale d * sc and offset -dmin * mn, d and dmin per 8 sub-blocks
+            sc = tl.load(sc_ptr + cols[:, None] * stride_sc + block[None, :], mask=mask, other=0).to(tl.float32)
+            mn = tl.load(mn_ptr + cols[:, None] * stride_sc + block[None, :], mask=mask, other=0).to(tl.float32)
+            d = tl.load(d_ptr + cols[:, None] * stride_d + (block // 8)[None, :], mask=mask, other=0.0)
+            m = tl.load(m_ptr + cols[:, None] * stride_d + (block // 8)[None, :], mask=mask, other=0.0)
+            d = d.to(tl.float32) * sc
+            m = -(m.to(tl.float32) * mn)
+        else:
+            d = tl.load(d_ptr + cols[:, None] * stride_d + block[None, :], mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + cols[:, None] * stride_d + block[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum((d * q + m) * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_out + cols, acc, mask=col_mask)
 
@@ -95,8 +125,11 @@ def quant_linear(x: torch.Tensor, weight: TritonQuant) -> torch.Tensor:
     num_rows, n = x.shape[0], weight.out_features
     out = torch.empty(num_rows, n, dtype=torch.float32, device=x.device)
     if num_rows:
+        k_quant = weight.sc is not None
+        sc = weight.sc if weight.sc is not None else weight.qs  # not read unless K_QUANT
+        mn = weight.mn if weight.mn is not None else weight.qs
         _quant_gemv_kernel[(num_rows, triton.cdiv(n, BLOCK_N))](
-            x, weight.qs, weight.d, weight.m, out, n, weight.in_features, x.stride(0),
-            weight.qs.stride(0), weight.d.stride(0), out.stride(0),
-            FOUR_BIT=weight.four_bit, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            x, weight.qs, weight.d, weight.m, sc, mn, out, n, weight.in_features, x.stride(0),
+            weight.qs.stride(0), weight.d.stride(0), sc.stride(0), out.stride(0),
+            FOUR_BIT=weight.four_bit, K_QUANT=k_quant, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out

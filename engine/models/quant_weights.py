@@ -2,19 +2,24 @@
 
     plan = plan_quantized(config, weights, stored, "q4")   # name -> QuantRows, or None for fp32
 
-``stored`` holds the GGUF file's own blocks (``gguf_loader.gguf_blocks``: Q8_0/Q4_0/Q4_1
+``stored`` holds the GGUF file's own blocks (``gguf_loader.gguf_blocks``: Q8_0/Q4_0/Q4_1/Q4_K
 tensors, HF-named, Q/K rows in HF order); ``weights`` the same model dequantized to fp32. The
 plan covers every layer matmul weight and the LM head (``HEAD``; the embedding's blocks when
 the embedding is tied). Formats:
 
     fp32   no plan: the fp32 weights, as before
     q8_0   every weight in Q8_0: stored Q8_0 blocks as they are, the rest quantized from fp32
-    q4     layer weights 4-bit: stored Q4_0/Q4_1 blocks as they are, the rest quantized to
-           Q4_1; the head keeps stored blocks of either format (a Q4_1 file's Q8_0 head, as
+    q4     layer weights 4-bit: stored Q4_0/Q4_1/Q4_K blocks as they are, the rest quantized to
+           Q4_1; the head keeps stored blocks of any format (a Q4_1 file's Q8_0 head, as
            llama.cpp reads it), else Q8_0
     auto   the file's own blocks where it has them (others quantized to Q8_0); fp32 when the
            model has no blocks at all (an HF directory, an F32/F16 file) or the activations
            are not float32 (the kernels compute in fp32)
+
+The model fuses q/k/v and gate/up into one matmul each, which needs one kernel layout per group
+(``kernels.quant.kernel_format``: Q4_0 and Q4_1 share one). A group whose stored blocks differ
+(a Q4_K_M file's Q6_K v beside Q4_K q and k: v is quantized from fp32 first, then the group
+disagrees) is quantized from fp32 as a whole, to the format's target (Q4_1 for q4, else Q8_0).
 
 Quantizing from fp32 rounds as llama.cpp's reference quantizer does (``kernels.quant.quantize``);
 a weight taken as stored keeps the file's exact values, so q4 on a Q4_1 file computes with the
@@ -29,13 +34,14 @@ from collections.abc import Mapping
 import torch
 
 from engine.config import WEIGHT_FORMATS, ModelConfig
-from kernels.quant import QuantRows, quantize
+from kernels.quant import QuantRows, kernel_format, quantize
 
 log = logging.getLogger(__name__)
 
 HEAD = "lm_head.weight"
 _LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 
 def linear_weight_names(config: ModelConfig) -> list[str]:
@@ -64,13 +70,24 @@ def plan_quantized(config: ModelConfig, weights: Mapping[str, torch.Tensor],
         if rows is not None and keep:
             plan[name] = rows
             continue
-        target = "q4_1" if weight_format == "q4" and name != HEAD else "q8_0"
-        plan[name] = quantize(weights[source], target)
+        plan[name] = quantize(weights[source], _target(weight_format, name))
         requantized.append(name)
+    for i in range(config.num_layers):
+        for group in _FUSED:
+            names = [f"model.layers.{i}.{part}.weight" for part in group]
+            if len({kernel_format(plan[n].format) for n in names}) > 1:
+                for n in names:
+                    plan[n] = quantize(weights[n], _target(weight_format, n))
+                    requantized.append(n)
     if requantized:
         log.info("weight format %s: %d of %d matmul weights quantized from fp32 (e.g. %s)",
-                 weight_format, len(requantized), len(plan), requantized[0])
+                 weight_format, len(set(requantized)), len(plan), requantized[0])
     return plan
+
+
+def _target(weight_format: str, name: str) -> str:
+    """The format a weight without usable stored blocks is quantized to."""
+    return "q4_1" if weight_format == "q4" and name != HEAD else "q8_0"
 
 
 def _keeps(weight_format: str, rows: QuantRows | None, is_head: bool) -> bool:
@@ -81,7 +98,7 @@ def _keeps(weight_format: str, rows: QuantRows | None, is_head: bool) -> bool:
         return True
     if weight_format == "q8_0":
         return rows.format == "q8_0"
-    return rows.format in ("q4_0", "q4_1")
+    return rows.format in ("q4_0", "q4_1", "q4_k")
 
 
 def plan_bytes(plan: Mapping[str, QuantRows]) -> int:

@@ -1,5 +1,6 @@
-"""The compiled quantized linear (Q8_0, Q4_0, Q4_1) against its exact reference and against
-dequantize-then-matmul in float64.
+"""The compiled quantized linear (Q8_0, Q4_0, Q4_1, Q4_K) against its exact reference and against
+dequantize-then-matmul in float64. (Q4_K weights have 256 inputs per block: its cases take 8x
+the inputs where a shape is not a multiple of 256.)
 
 By default the kernel quantizes x to int8 per block of 32 inputs and sums integer products
 (llama.cpp's scheme); with activations "fp32" it multiplies the file's exact values by the fp32 x.
@@ -29,6 +30,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from kernels.cpu import CpuKernelsUnavailable
 from kernels.quant import (
     BLOCK,
+    BLOCK_VALUES,
     FORMATS,
     QuantRows,
     cat_rows,
@@ -46,7 +48,12 @@ except CpuKernelsUnavailable as exc:
     pytest.skip(f"compiled CPU kernels unavailable: {exc}", allow_module_level=True)
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-        "q4_1": GGMLQuantizationType.Q4_1}
+        "q4_1": GGMLQuantizationType.Q4_1, "q4_k": GGMLQuantizationType.Q4_K}
+
+
+def _k(fmt, k):
+    """k inputs, or 8 k where ``fmt``'s blocks do not divide k (Q4_K: 256 per block)."""
+    return k if k % BLOCK_VALUES[fmt] == 0 else 8 * k
 
 
 def _randn(*shape, seed=0):
@@ -77,8 +84,8 @@ def _check(x, rows):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_matches_gguf_bit_for_bit(fmt):
-    rows = _rows(7, 96, fmt)
-    theirs = gguf_dequantize(rows.data, GGML[fmt]).reshape(7, 96)
+    rows = _rows(7, _k(fmt, 96), fmt)
+    theirs = gguf_dequantize(rows.data, GGML[fmt]).reshape(7, _k(fmt, 96))
     assert torch.equal(dequantize(rows), torch.from_numpy(np.array(theirs, dtype=np.float32)))
 
 
@@ -93,21 +100,22 @@ def test_q4_0_becomes_q4_1_exactly_and_fused_rows_keep_their_values():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", list(range(1, 10)))
 def test_every_row_tail(fmt, m):
-    _check(_randn(m, 96), _rows(5 * LANES + 3, 96, fmt))
+    _check(_randn(m, _k(fmt, 96)), _rows(5 * LANES + 3, _k(fmt, 96), fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, LANES - 1, LANES + 1, 3 * LANES + 7])
 def test_out_features_not_a_multiple_of_the_panel_width(fmt, n):
-    _check(_randn(3, 64), _rows(n, 64, fmt, seed=2))
+    _check(_randn(3, _k(fmt, 64)), _rows(n, _k(fmt, 64), fmt, seed=2))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_model_shapes_prefill_sized_and_strided_x(fmt):
     _check(_randn(1, 1536), _rows(96, 1536, fmt, seed=3))
-    _check(_randn(40, 64), _rows(130, 64, fmt, seed=4))
-    wide = _randn(9, 80, seed=5)
-    _check(wide[:, :64], _rows(48, 64, fmt, seed=6))  # row stride 80
+    k = _k(fmt, 64)
+    _check(_randn(40, k), _rows(130, k, fmt, seed=4))
+    wide = _randn(9, k + 16, seed=5)
+    _check(wide[:, :k], _rows(48, k, fmt, seed=6))  # row stride k + 16
 
 
 def test_zero_rows():
@@ -116,11 +124,11 @@ def test_zero_rows():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_all_zero_blocks_and_tiny_values(fmt):
-    x = _randn(3, 96)
+    x = _randn(3, _k(fmt, 96))
     x[0, 32:64] = 0.0  # dx = 0: that block contributes only its (zero) offset term
     x[1] *= 1e-30  # dx near fp32's smallest normals
     x[2, :32] = 0.0
-    _check(x, _rows(2 * LANES + 1, 96, fmt))
+    _check(x, _rows(2 * LANES + 1, _k(fmt, 96), fmt))
 
 
 @pytest.mark.parametrize("activations", ["int8", "fp32"])
@@ -172,6 +180,22 @@ def test_bad_arguments_name_what_is_wrong():
         QuantRows("q8_0", np.zeros((2, 34), dtype=np.uint8), 64)
     with pytest.raises(ValueError, match="format must be one of"):
         QuantRows("q5_k", np.zeros((2, 34), dtype=np.uint8), 32)
+    with pytest.raises(ValueError, match="q4_k needs in_features a positive multiple of 256"):
+        QuantRows("q4_k", np.zeros((2, 144), dtype=np.uint8), 32)
+    with pytest.raises(ValueError, match="x has 256 features but the weight expects 512"):
+        quant_linear(_randn(2, 256), pack(_rows(20, 512, "q4_k")))
+
+
+def test_q4_k_scales_and_layout():
+    """Q4_K's 6-bit scales unpack as llama.cpp's get_scale_min_k4 (through gguf's dequantizer,
+    above), the packed panels hold 148 bytes per 256 inputs per column (the file's 144 with the
+    scales a byte each), and its fused rows stay Q4_K; mixing it with Q4_1 rows is refused."""
+    rows = _rows(2 * LANES, 512, "q4_k")
+    assert pack(rows).nbytes == 2 * LANES * 2 * 148 and pack(rows).in_features == 512
+    fused = cat_rows([rows, _rows(3, 512, "q4_k", seed=2)])
+    assert fused.format == "q4_k" and fused.out_features == 2 * LANES + 3
+    with pytest.raises(ValueError, match="cannot fuse rows"):
+        cat_rows([rows, _rows(3, 512, "q4_1")])
 
 
 @pytest.mark.parametrize("m", [1, 5])

@@ -1,20 +1,30 @@
 """Which blocks serve each matmul under --weight-format (engine/models/quant_weights.py), on the
-default model (a Q4_1 file with a Q8_0 embedding), and the loader's blocks being the file's
-values: dequantizing them gives exactly the fp32 weights HF's GGUF loader sees."""
+default model (a Q4_1 file with a Q8_0 embedding) and on small written Q4_K files, and the
+loader's blocks being the file's values: dequantizing them gives exactly the fp32 weights HF's
+GGUF loader sees."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig
+from engine.kv_cache.storage import allocate_kv_cache
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import load_model
 from engine.models.quant_weights import (
     HEAD,
     linear_weight_names,
     plan_bytes,
     plan_quantized,
 )
+from engine.runner.inputs import ScheduledSeq, build_model_input
+from kernels.ops import compiled_ops, get_ops
 from kernels.quant import dequantize
+from tests.unit._hf import write_tiny_gguf
+
+LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +78,49 @@ def test_fp32_and_bad_settings(model):
         EngineConfig(model=config, dtype="bfloat16", weight_format="q8_0")
     with pytest.raises(ConfigError, match="weight_format must be"):
         EngineConfig(model=config, weight_format="int4")
+
+
+def _q4_k_file(tmp_path, **types):
+    """A 2-layer llama GGUF of 256-wide rows with every layer matmul in Q4_K, but ``types``."""
+    path = tmp_path / "q4k.gguf"
+    write_tiny_gguf(path, hidden=256, inner=512, num_heads=4, num_kv_heads=2,
+                    types={**dict.fromkeys(LINEAR_KINDS, T.Q4_K), **types})
+    return load_model(str(path))
+
+
+def test_a_q4_k_file_is_served_from_its_own_blocks(tmp_path, monkeypatch):
+    """The loader keeps Q4_K blocks (Q/K rows back in HF order) whose values are the fp32
+    weights; q4 and auto serve them as stored; the compiled kernels on them (fp32 activations:
+    the exact values) give the fp32 model's hidden states within fp32 rounding."""
+    loaded = _q4_k_file(tmp_path)
+    config, weights, blocks = loaded.config, loaded.weights, loaded.blocks
+    for name in linear_weight_names(config):
+        assert blocks[name].format == "q4_k" and torch.equal(dequantize(blocks[name]), weights[name]), name
+    for fmt in ("q4", "auto"):
+        plan = plan_quantized(config, weights, blocks, fmt)
+        assert all(plan[name] is blocks[name] for name in linear_weight_names(config)), fmt
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_ACTIVATIONS", "fp32")
+    plan = plan_quantized(config, weights, blocks, "q4")
+    quantized = LlamaForCausalLM(config, weights, compiled_ops(), quant_plan=plan)
+    assert quantized.stack is not None  # the decode path: the compiled stack on Q4_K panels
+    reference = LlamaForCausalLM(config, weights, get_ops("torch"))
+    for seqs in ([ScheduledSeq(list(range(5, 45)), 0, [0, 1, 2])], [ScheduledSeq([7], 20, [3, 4])]):
+        step = build_model_input(seqs, 16)
+        out = []
+        for model in (quantized, reference):
+            cache = allocate_kv_cache(config, CacheConfig(block_size=16, num_blocks=8))
+            out.append(model.forward(step.input_ids, step.positions, step.attn, cache))
+        torch.testing.assert_close(out[0], out[1], atol=2e-4, rtol=2e-4)
+
+
+def test_a_fused_group_of_mixed_stored_formats_is_quantized_as_a_whole(tmp_path):
+    """A Q4_K q/k beside a Q8_0 v (as a Q4_K_M file's Q6_K v ends up): one matmul needs one
+    layout, so q4 quantizes the whole group to Q4_1 and auto to Q8_0; other groups keep Q4_K."""
+    loaded = _q4_k_file(tmp_path, attn_v=T.Q8_0)
+    config, weights, blocks = loaded.config, loaded.weights, loaded.blocks
+    qkv = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    for fmt, target in (("q4", "q4_1"), ("auto", "q8_0")):
+        plan = plan_quantized(config, weights, blocks, fmt)
+        assert [plan[n].format for n in qkv] == [target] * 3, fmt
+        assert plan["model.layers.0.mlp.gate_proj.weight"] is blocks["model.layers.0.mlp.gate_proj.weight"]
+        LlamaForCausalLM(config, weights, compiled_ops(), quant_plan=plan)  # the fused matmuls build

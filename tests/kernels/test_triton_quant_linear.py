@@ -1,6 +1,7 @@
 """The Triton dequantize-in-kernel GEMV (kernels/quant_triton.py) under TRITON_INTERPRET=1 on
-small shapes, against dequantize-then-matmul in float64: Q8_0, Q4_0 and Q4_1, a partial last
-column tile and a K that is not a multiple of the kernel's K tile. Tolerance atol=rtol=1e-4
+small shapes, against dequantize-then-matmul in float64: Q8_0, Q4_0, Q4_1 and Q4_K, a partial
+last column tile and a K that is not a multiple of the kernel's K tile (Q4_K: 256 inputs per
+block, so its K is 256 or 512). Tolerance atol=rtol=1e-4
 (weights of scale in^-0.5; only fp32 rounding of the sums differs)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kernels._triton import HAS_TRITON, is_interpreter
-from kernels.quant import FORMATS, dequantize, quantize
+from kernels.quant import BLOCK_VALUES, FORMATS, dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and is_interpreter()),
                                 reason="needs Triton and TRITON_INTERPRET=1 on CPU")
@@ -24,6 +25,8 @@ def _randn(*shape, seed=0):
 def test_matches_dequantize_then_matmul(fmt, m, n, k):
     from kernels.quant_triton import pack, quant_linear
 
+    if k % BLOCK_VALUES[fmt]:
+        k = 256 * (k // 32 - 1)  # 96 -> 512, 64 -> 256
     rows = quantize(_randn(n, k, seed=1) * k ** -0.5, fmt)
     x = _randn(m, k)
     y = quant_linear(x, pack(rows))

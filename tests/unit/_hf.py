@@ -11,6 +11,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, TokenType
 from gguf.quants import quantize
 
+from kernels.quant import quantize_q4_k
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
                    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
@@ -53,9 +55,11 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 def write_tiny_gguf(path: Path, arch: str = "llama", *, tied: bool = False, num_layers: int = 2,
                     hidden: int = 64, inner: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                     add_bos: bool = False, extra_tensors: tuple[str, ...] = (),
-                    seed: int = 0) -> dict[str, torch.Tensor]:
+                    seed: int = 0, types: dict[str, T] | None = None) -> dict[str, torch.Tensor]:
     """Write a random Llama-family GGUF as llama.cpp would (Q/K permuted for 'llama', biases for
-    'qwen2') and return the HF-layout weights it was made from (before quantization)."""
+    'qwen2') and return the HF-layout weights it was made from (before quantization). ``types``
+    overrides TINY_GGUF_TYPES per kind (Q4_K needs rows a multiple of 256 wide)."""
+    storage = {**TINY_GGUF_TYPES, **(types or {})}
     tokens, token_types, merges = tiny_vocab()
     rng = np.random.default_rng(seed)
     head_dim = hidden // num_heads
@@ -92,8 +96,11 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, tied: bool = False, num_
         hf_weights[hf_name] = torch.from_numpy(values.copy())
         if permute_heads:
             values = llama_cpp_permute(values, permute_heads)
-        qtype = TINY_GGUF_TYPES.get(kind, T.F32)
-        stored = values if qtype == T.F32 else quantize(values, qtype)
+        qtype = storage.get(kind, T.F32)
+        if qtype == T.Q4_K:  # gguf-py cannot quantize to Q4_K
+            stored = quantize_q4_k(torch.from_numpy(values)).data
+        else:
+            stored = values if qtype == T.F32 else quantize(values, qtype)
         writer.add_tensor(gguf_name, stored, raw_shape=stored.shape, raw_dtype=qtype)
 
     add("token_embd.weight", "model.embed_tokens.weight", "token_embd", shapes["token_embd"])

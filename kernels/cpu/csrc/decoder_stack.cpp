@@ -130,7 +130,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                        hidden_size_};
     for (size_t i = 0; i < weights_.size(); ++i) {
       const QuantWeight& w = weights_[i];
-      TORCH_CHECK_VALUE(w.panels.dim() == 3 && w.panels.size(1) * kBlock == inputs[i % kMatmuls] &&
+      TORCH_CHECK_VALUE(w.panels.dim() == 3 && w.panels.size(1) * block_inputs(w.format) == inputs[i % kMatmuls] &&
                             w.out_features == outputs[i % kMatmuls],
                         "DecoderStack: weight ", i, " (layer ", i / kMatmuls, ", matmul ", i % kMatmuls,
                         ") must map ", inputs[i % kMatmuls], " inputs to ", outputs[i % kMatmuls], " outputs");

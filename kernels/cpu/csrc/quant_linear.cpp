@@ -43,14 +43,16 @@ void check_weight(const char* op, const at::Tensor& packed, int64_t K, int64_t o
                         (prefetch_next->scalar_type() == at::kByte && prefetch_next->dim() == 3 &&
                          prefetch_next->is_contiguous()),
                     op, ": prefetch_next must be a contiguous uint8 [P, num_blocks, block bytes] tensor");
-  TORCH_CHECK_VALUE(format == kQ8_0 || format == kQ4, op, ": format must be 0 (q8_0) or 1 (q4), got ", format);
-  const int64_t bb = format == kQ4 ? block_bytes<kQ4>() : block_bytes<kQ8_0>();
+  TORCH_CHECK_VALUE(format == kQ8_0 || format == kQ4 || format == kQ4K, op,
+                    ": format must be 0 (q8_0), 1 (q4) or 2 (q4_k), got ", format);
+  const int64_t bb = format_block_bytes(format);
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == bb &&
                         packed.is_contiguous(),
                     op, ": packed must be a contiguous uint8 [P, num_blocks, ", bb,
                     "] tensor from kernels.quant_cpu.pack");
   const int64_t P = packed.size(0), nb = packed.size(1);
-  TORCH_CHECK_VALUE(K == nb * kBlock, op, ": x has ", K, " features but the weight expects ", nb * kBlock);
+  TORCH_CHECK_VALUE(K == nb * block_inputs(format), op, ": x has ", K, " features but the weight expects ",
+                    nb * block_inputs(format));
   TORCH_CHECK_VALUE(out_features > (P - 1) * kLanes && out_features <= P * kLanes,
                     op, ": out_features ", out_features, " does not match ", P, " panels");
 }
@@ -60,7 +62,7 @@ void check_weight(const char* op, const at::Tensor& packed, int64_t K, int64_t o
 at::Tensor quant_linear_rows(const float* xp, int64_t xs, int64_t M, int64_t K, const at::Tensor& packed,
                              int64_t out_features, int64_t format, bool exact,
                              const std::optional<at::Tensor>& prefetch_next, const at::TensorOptions& options) {
-  const int64_t P = packed.size(0), nb = packed.size(1);
+  const int64_t P = packed.size(0), nb = K / kBlock;  // blocks of 32 inputs of x
   at::Tensor out = at::empty({M, out_features}, options);
   if (M == 0) return out;
   // per row and block: dx and xsum [M, nb] fp32; the quantized rows xq [M, K] int8 unless exact

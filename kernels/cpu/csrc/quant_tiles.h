@@ -22,10 +22,15 @@
 // one block of a panel is
 //     4-bit: d [kLanes] fp16 | m [kLanes] fp16 | qs [4][kLanes][4] u8    (20 * kLanes bytes)
 //     Q8_0:  d [kLanes] fp16 | qs [8][kLanes][4] i8                      (34 * kLanes bytes)
+//     Q4_K:  d [kLanes] fp16 | dmin [kLanes] fp16 | sc [8][kLanes] u8 | mn [8][kLanes] u8 |
+//            8 x qs [4][kLanes][4] u8 (one per sub-block of 32)          (148 * kLanes bytes)
 // qs[g][c][t] is column c's file byte 4 g + t: one 32-bit lane per column holding 4 consecutive
 // inputs, what a 4-byte dot product instruction consumes. For 4-bit, the low nibble is input
-// 4 g + t and the high nibble input 16 + 4 g + t (the file's nibble order). The bytes per
-// weight are the file's own (20 or 34 per 32), so a decode step streams the file's bytes once.
+// 4 g + t and the high nibble input 16 + 4 g + t (the file's nibble order; Q4_K's nibbles are
+// reordered to it at load, and its 6-bit scales and mins unpacked to a byte each). The bytes per
+// weight are the file's own (20 or 34 per 32, 148 for Q4_K's 144 per 256), so a decode step
+// streams the file's bytes once. A Q4_K sub-block s is a 4-bit block whose scale is
+// d * sc[s] and offset -dmin * mn[s] (both exact in fp32).
 //
 // Everything here is in an anonymous namespace on purpose: each library is built for one ISA and
 // several are loaded side by side (tests compare them), so no symbol of this code may be shared.
@@ -55,10 +60,17 @@ constexpr int kRows = 4;     // 32 zmm: 2 * 4 * 2 int sums + 4 * 2 fp32 sums + w
 #else
 constexpr int kRows = 2;     // 16 ymm
 #endif
-enum Format : int64_t { kQ8_0 = 0, kQ4 = 1 };
+enum Format : int64_t { kQ8_0 = 0, kQ4 = 1, kQ4K = 2 };
 
 template <int F>
-constexpr int64_t block_bytes() { return F == kQ4 ? 20 * kLanes : 34 * kLanes; }
+constexpr int64_t block_bytes() { return F == kQ4 ? 20 * kLanes : F == kQ4K ? 148 * kLanes : 34 * kLanes; }
+
+// Inputs per block of a format (Q4_K: a super-block of 8 sub-blocks of 32).
+inline int64_t block_inputs(int64_t format) { return format == kQ4K ? 256 : 32; }
+
+inline int64_t format_block_bytes(int64_t format) {
+  return format == kQ4 ? block_bytes<kQ4>() : format == kQ4K ? block_bytes<kQ4K>() : block_bytes<kQ8_0>();
+}
 
 // ---- the ISA's 4-byte dot products: ivec is kLanes int32 lanes, each 4 bytes of one column ----
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -232,9 +244,10 @@ inline vint lane_byte(vint v) {
   return (v >> (8 * T)) & 255;
 }
 
-// The exact (fp32 x) block sums: lo/hi[r][j] += x * w over the block's two halves of inputs.
+// The exact (fp32 x) block sums: lo/hi[r][j] += x * w over the block's two halves of inputs;
+// qs[j]: panel j's quants of 32-input block b (F: kQ4 or kQ8_0, the quants' layout).
 template <int F, int R, int NP>
-void exact_block(const Rows& rows, int64_t b, const unsigned char* const* blk, vfloat (&lo)[R][NP],
+void exact_block(const Rows& rows, int64_t b, const unsigned char* const* qs, vfloat (&lo)[R][NP],
                  vfloat (&hi)[R][NP]) {
   constexpr int64_t G = 4 * kLanes;
   const float* xb = rows.x + b * kBlock;
@@ -265,10 +278,9 @@ void exact_block(const Rows& rows, int64_t b, const unsigned char* const* blk, v
     }
   };
   const int groups = F == kQ4 ? 4 : 8;
-  const int64_t offset = F == kQ4 ? 4 * kLanes : 2 * kLanes;
   for (int g = 0; g < groups; ++g) {
     vint raw[NP];
-    for (int j = 0; j < NP; ++j) std::memcpy(&raw[j], blk[j] + offset + g * G, sizeof(vint));
+    for (int j = 0; j < NP; ++j) std::memcpy(&raw[j], qs[j] + g * G, sizeof(vint));
     group(std::integral_constant<int, 0>{}, raw, g);
     group(std::integral_constant<int, 1>{}, raw, g);
     group(std::integral_constant<int, 2>{}, raw, g);
@@ -280,89 +292,124 @@ inline void prefetch_bytes(const unsigned char* p, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-// acc[r][j] = sum over blocks of column panel p0 + j against row r; written to out.
-// Two sums per block (the first and the last 16 inputs, or even and odd groups) keep 2 * R * NP
+// sums[r][j] = sum over 32-input block b of x[k] q[k] (times dx when x is quantized), for row r
+// and panel j, whose quants of that block start at qs[j] (F: kQ4 or kQ8_0, their layout). Two
+// sums per block (the first and the last 16 inputs, or even and odd groups) keep 2 * R * NP
 // independent chains where an instruction accumulates in place (FMA, vpdpbusd).
+template <int F, bool Exact, int R, int NP>
+inline void block_sums(const Rows& rows, int64_t b, const unsigned char* const* qs, vfloat (&sums)[R][NP]) {
+  constexpr int64_t G = 4 * kLanes;  // bytes of one group of 4 inputs across the panel's columns
+  const int64_t nb = rows.nb, K = rows.K;
+  if constexpr (Exact) {
+    vfloat lo[R][NP], hi[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) lo[r][j] = hi[r][j] = vfloat{};
+    exact_block<F, R, NP>(rows, b, qs, lo, hi);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) sums[r][j] = lo[r][j] + hi[r][j];
+  } else {
+    const int8_t* xb = rows.xq + b * kBlock;
+    ivec lo[R][NP], hi[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) lo[r][j] = hi[r][j] = isplat(0);
+    if constexpr (F == kQ4) {
+      for (int g = 0; g < 4; ++g) {
+        ivec wl[NP], wh[NP];
+        for (int j = 0; j < NP; ++j) {
+          const ivec raw = iload(qs[j] + g * G);
+          wl[j] = low_nibbles(raw);
+          wh[j] = high_nibbles(raw);
+        }
+        for (int r = 0; r < R; ++r) {
+          const ivec xl = xsplat(xb + r * K + 4 * g), xh = xsplat(xb + r * K + 16 + 4 * g);
+          for (int j = 0; j < NP; ++j) {
+            lo[r][j] = dot_q4(lo[r][j], wl[j], xl);
+            ivec& h = kSplitSums ? hi[r][j] : lo[r][j];
+            h = dot_q4(h, wh[j], xh);
+          }
+        }
+      }
+    } else {
+      for (int g = 0; g < 8; g += 2) {
+        ivec w0[NP], w1[NP];
+        for (int j = 0; j < NP; ++j) {
+          w0[j] = iload(qs[j] + g * G);
+          w1[j] = iload(qs[j] + (g + 1) * G);
+        }
+        for (int r = 0; r < R; ++r) {
+          const ivec x0 = xsplat(xb + r * K + 4 * g), x1 = xsplat(xb + r * K + 4 * g + 4);
+          for (int j = 0; j < NP; ++j) {
+            lo[r][j] = dot_s8(lo[r][j], w0[j], x0);
+            ivec& h = kSplitSums ? hi[r][j] : lo[r][j];
+            h = dot_s8(h, w1[j], x1);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const vfloat dx = vsplat(rows.dx[r * nb + b]);
+      for (int j = 0; j < NP; ++j) {
+        ivec total = F == kQ4 ? finish_q4(lo[r][j]) : lo[r][j];
+        if (kSplitSums) total = iadd(total, F == kQ4 ? finish_q4(hi[r][j]) : hi[r][j]);
+        sums[r][j] = dx * to_float(total);
+      }
+    }
+  }
+}
+
+// kLanes bytes -> fp32 lanes (a Q4_K sub-block's 6-bit scales or mins, one per column)
+inline vfloat vload_u8(const unsigned char* p) { return __builtin_convertvector(vwiden_u8(p), vfloat); }
+
+// acc[r][j] = sum over blocks of column panel p0 + j against row r; written to out.
 template <int F, bool Exact, int R, int NP>
 void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out, int64_t out_stride,
           int64_t N) {
   constexpr int64_t BB = block_bytes<F>();
-  constexpr int64_t G = 4 * kLanes;  // bytes of one group of 4 inputs across the panel's columns
-  const int64_t nb = rows.nb, K = rows.K;
+  constexpr int kSub = F == kQ4K ? 8 : 1;  // 32-input blocks per weight block
+  const int64_t nb = rows.nb, nwb = nb / kSub;
   vfloat acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = vfloat{};
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t wb = 0; wb < nwb; ++wb) {
     const unsigned char* blk[NP];
-    for (int j = 0; j < NP; ++j) blk[j] = packed + ((p0 + j) * nb + b) * BB;
+    for (int j = 0; j < NP; ++j) blk[j] = packed + ((p0 + j) * nwb + wb) * BB;
     // One work item ahead (the panels the next item reads, or the next weight's first ones):
     // block by block, so those bytes arrive while this item computes. Measured at batch-1
     // decode on the default model (Xeon, AVX-512, 2 threads): the layer matmuls and the LM head
     // over 96 MB of blocks took 2.4 ms instead of 3.4 without it. A prefetch past the end of
     // the weight is harmless (no fault); it fetches some other bytes.
-    for (int j = 0; j < NP; ++j) prefetch_bytes(blk[j] + kPanels * nb * BB, BB);
-    vfloat sums[R][NP];  // this block's sum_k x[k] q[k] (times dx when quantized)
-    if constexpr (Exact) {
-      vfloat lo[R][NP], hi[R][NP];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NP; ++j) lo[r][j] = hi[r][j] = vfloat{};
-      exact_block<F, R, NP>(rows, b, blk, lo, hi);
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NP; ++j) sums[r][j] = lo[r][j] + hi[r][j];
-    } else {
-      const int8_t* xb = rows.xq + b * kBlock;
-      ivec lo[R][NP], hi[R][NP];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NP; ++j) lo[r][j] = hi[r][j] = isplat(0);
-      if constexpr (F == kQ4) {
-        for (int g = 0; g < 4; ++g) {
-          ivec wl[NP], wh[NP];
-          for (int j = 0; j < NP; ++j) {
-            const ivec raw = iload(blk[j] + 4 * kLanes + g * G);
-            wl[j] = low_nibbles(raw);
-            wh[j] = high_nibbles(raw);
-          }
-          for (int r = 0; r < R; ++r) {
-            const ivec xl = xsplat(xb + r * K + 4 * g), xh = xsplat(xb + r * K + 16 + 4 * g);
-            for (int j = 0; j < NP; ++j) {
-              lo[r][j] = dot_q4(lo[r][j], wl[j], xl);
-              ivec& h = kSplitSums ? hi[r][j] : lo[r][j];
-              h = dot_q4(h, wh[j], xh);
-            }
-          }
-        }
-      } else {
-        for (int g = 0; g < 8; g += 2) {
-          ivec w0[NP], w1[NP];
-          for (int j = 0; j < NP; ++j) {
-            w0[j] = iload(blk[j] + 2 * kLanes + g * G);
-            w1[j] = iload(blk[j] + 2 * kLanes + (g + 1) * G);
-          }
-          for (int r = 0; r < R; ++r) {
-            const ivec x0 = xsplat(xb + r * K + 4 * g), x1 = xsplat(xb + r * K + 4 * g + 4);
-            for (int j = 0; j < NP; ++j) {
-              lo[r][j] = dot_s8(lo[r][j], w0[j], x0);
-              ivec& h = kSplitSums ? hi[r][j] : lo[r][j];
-              h = dot_s8(h, w1[j], x1);
-            }
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const vfloat dx = vsplat(rows.dx[r * nb + b]);
+    if constexpr (F != kQ4K)
+      for (int j = 0; j < NP; ++j) prefetch_bytes(blk[j] + kPanels * nwb * BB, BB);
+    vfloat sums[R][NP];
+    const unsigned char* qs[NP];
+    if constexpr (F == kQ4K) {
+      // 8 sub-blocks, each a 4-bit block of scale d * sc[s] and offset -dmin * mn[s]
+      for (int s = 0; s < kSub; ++s) {
+        const int64_t b = wb * kSub + s;
         for (int j = 0; j < NP; ++j) {
-          ivec total = F == kQ4 ? finish_q4(lo[r][j]) : lo[r][j];
-          if (kSplitSums) total = iadd(total, F == kQ4 ? finish_q4(hi[r][j]) : hi[r][j]);
-          sums[r][j] = dx * to_float(total);
+          qs[j] = blk[j] + (20 + 16 * s) * kLanes;
+          prefetch_bytes(blk[j] + kPanels * nwb * BB + s * (BB / kSub), BB / kSub);  // spread over the sub-blocks
+        }
+        block_sums<kQ4, Exact, R, NP>(rows, b, qs, sums);
+        for (int j = 0; j < NP; ++j) {
+          const vfloat scale = vload_half(blk[j]) * vload_u8(blk[j] + (4 + s) * kLanes);
+          const vfloat offset = -(vload_half(blk[j] + 2 * kLanes) * vload_u8(blk[j] + (12 + s) * kLanes));
+          for (int r = 0; r < R; ++r) {
+            acc[r][j] += scale * sums[r][j];
+            acc[r][j] += offset * vsplat(rows.xsum[r * nb + b]);
+          }
         }
       }
+      continue;
     }
+    for (int j = 0; j < NP; ++j) qs[j] = blk[j] + (F == kQ4 ? 4 : 2) * kLanes;
+    block_sums<F, Exact, R, NP>(rows, wb, qs, sums);
     for (int j = 0; j < NP; ++j) {
       const vfloat d = vload_half(blk[j]);
       for (int r = 0; r < R; ++r) acc[r][j] += d * sums[r][j];
       if constexpr (F == kQ4) {
         const vfloat m = vload_half(blk[j] + 2 * kLanes);
-        for (int r = 0; r < R; ++r) acc[r][j] += m * vsplat(rows.xsum[r * nb + b]);
+        for (int r = 0; r < R; ++r) acc[r][j] += m * vsplat(rows.xsum[r * nb + wb]);
       }
     }
   }
@@ -415,6 +462,9 @@ inline void multiply_items(const Rows& rows, int64_t M, const unsigned char* wp,
       if (format == kQ4) {
         if (exact) rows_tile<kQ4, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         else rows_tile<kQ4, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
+      } else if (format == kQ4K) {
+        if (exact) rows_tile<kQ4K, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
+        else rows_tile<kQ4K, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
       } else {
         if (exact) rows_tile<kQ8_0, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         else rows_tile<kQ8_0, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
