@@ -36,7 +36,7 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter replaces the kernels being compiled")
         return 2
-    from kernels import activation, block_copy, paged_attention, rms_norm, rotary, store_kv
+    from kernels import activation, block_copy, paged_attention, quant_triton, rms_norm, rotary, store_kv
 
     index = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
              "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "default": "*bf16"}
@@ -82,6 +82,15 @@ def main() -> int:
         ("copy_blocks", block_copy._copy_blocks_kernel, {"src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",
          "default": "*bf16"}, dict(SRC_INDEXED=True, DST_INDEXED=True, BLOCK=4096)),
     ]
+    # the quantized GEMV, one job per block format (kernels.quant_triton.pack's tensors)
+    gemv = {"x_ptr": "*fp32", "out_ptr": "*fp32", "d_ptr": "*fp16", "m_ptr": "*fp16", "default": "*u8"}
+    tiles = dict(BLOCK_N=quant_triton.BLOCK_N, BLOCK_K=quant_triton.BLOCK_K)
+    for name, pointers, flags in (
+            ("q8_0", {"qs_ptr": "*i8"}, dict(FOUR_BIT=False, K_QUANT=False, SIX_BIT=False)),
+            ("q4_1", {}, dict(FOUR_BIT=True, K_QUANT=False, SIX_BIT=False)),
+            ("q4_k", {}, dict(FOUR_BIT=True, K_QUANT=True, SIX_BIT=False)),
+            ("q6_k", {"qs_ptr": "*i8", "sc_ptr": "*i8"}, dict(FOUR_BIT=False, K_QUANT=False, SIX_BIT=True))):
+        jobs.append((f"quant GEMV {name}", quant_triton._quant_gemv_kernel, {**gemv, **pointers}, {**flags, **tiles}))
     for name, kernel, pointers, constexprs in jobs:
         _compile(kernel, pointers, constexprs)
         print(f"ok  {name} (sm_{TARGET_ARCH})", flush=True)

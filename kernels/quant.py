@@ -8,11 +8,13 @@ GGUF file stores them: blocks of 32 values per row (256 for the K-quant), each b
     q4_1  d fp16 | m fp16 | 16 bytes            value = d * q + m        (20 bytes)
     q4_k  d fp16 | dmin fp16 | 12 bytes of 6-bit scales sc[8] and mins mn[8] | 128 bytes
           (256 values, 8 sub-blocks of 32)      value = d * sc[j] * q - dmin * mn[j]   (144 bytes)
+    q6_k  128 bytes of low 4 bits | 64 bytes of high 2 bits | int8 sc[16] | d fp16
+          (256 values, 16 sub-blocks of 16)     value = d * sc[j] * (q - 32)   (210 bytes)
 
 with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q4_k:
 byte i of each 32 holds sub-block 2c's input i and sub-block 2c + 1's input i, llama.cpp's
-order). The kernels serve three layouts: ``q8_0``, ``q4_1`` for Q4_0/Q4_1 blocks (``to_q4_1``
-rewrites a Q4_0 block exactly: m = -8 d), and ``q4_k``. Rows can be reordered and concatenated
+order; q6_k: llama.cpp's, ``q6_k_parts``). The kernels serve four layouts: ``q8_0``, ``q4_1``
+for Q4_0/Q4_1 blocks (``to_q4_1`` rewrites a Q4_0 block exactly: m = -8 d), ``q4_k`` and ``q6_k``. Rows can be reordered and concatenated
 as bytes, so fused matmuls (q/k/v, gate/up) keep the file's blocks.
 
     rows = QuantRows.from_gguf("q4_1", raw_bytes, in_features)
@@ -29,8 +31,8 @@ import numpy as np
 import torch
 
 BLOCK = 32  # inputs per block of x the kernels quantize, and per (sub-)block of every format
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}
-BLOCK_VALUES = {"q8_0": BLOCK, "q4_0": BLOCK, "q4_1": BLOCK, "q4_k": 256}  # inputs per block
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
+BLOCK_VALUES = {"q8_0": BLOCK, "q4_0": BLOCK, "q4_1": BLOCK, "q4_k": 256, "q6_k": 256}  # inputs per block
 FORMATS = tuple(BLOCK_BYTES)
 
 
@@ -102,7 +104,7 @@ def cat_rows(parts: list[QuantRows]) -> QuantRows:
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantRows:
     """fp32 [out, in] -> ``fmt`` blocks, by gguf's reference quantizer (llama.cpp's rounding);
-    q4_k (which gguf cannot quantize) by ``quantize_q4_k``."""
+    q4_k and q6_k (which gguf cannot quantize) by ``quantize_q4_k`` / ``quantize_q6_k``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
@@ -110,6 +112,8 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantRows:
         raise ValueError(f"quantize takes a 2-d [out, in] matrix, got shape {tuple(w.shape)}")
     if fmt == "q4_k":
         return quantize_q4_k(w)
+    if fmt == "q6_k":
+        return quantize_q6_k(w)
     qtype = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
              "q4_1": GGMLQuantizationType.Q4_1}[fmt]
     data = gguf_quantize(np.ascontiguousarray(w.detach().float().cpu().numpy()), qtype)
@@ -144,12 +148,38 @@ def quantize_q4_k(w: torch.Tensor) -> QuantRows:
     return QuantRows("q4_k", blocks.reshape(n, -1), k)
 
 
+def quantize_q6_k(w: torch.Tensor) -> QuantRows:
+    """fp32 [out, in] (in a multiple of 256) -> Q6_K blocks by plain rounding: per sub-block of
+    16 a step of max|x| / 31, the 16 steps of a super-block in int8 against its d. Valid blocks
+    for tests and benchmarks, as ``quantize_q4_k``."""
+    if w.dim() != 2 or w.shape[1] % 256:
+        raise ValueError(f"q6_k takes [out, in] with in a multiple of 256, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    x = w.detach().double().cpu().numpy().reshape(n, k // 256, 16, 16)
+    step = np.abs(x).max(axis=3) / 31  # [n, nb, 16]
+    d = (step.max(axis=2, keepdims=True) / 127).astype(np.float16)
+    d64 = d.astype(np.float64)
+    sc = np.clip(np.round(step / np.where(d64 > 0, d64, 1)), -128, 127).astype(np.int8)
+    scale = (d64 * sc)[..., None]
+    q = (np.clip(np.round(x / np.where(scale != 0, scale, 1)), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(n, k // 256, 2, 4, 32)  # value 128 h + 32 c + l: [half h, c, l]
+    ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
+                         (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=3)  # [n, nb, 2, 64]
+    qh = (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | ((q[:, :, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64),
+                             sc.view(np.uint8), d.view(np.uint8)], axis=2)
+    return QuantRows("q6_k", blocks.reshape(n, -1), k)
+
+
 def random_rows(out_features: int, in_features: int, fmt: str, seed: int = 0) -> QuantRows:
     """Random blocks of weight scale ~in^-0.5 without running a quantizer (fast, for timing)."""
     rng = np.random.default_rng(seed)
     nb, size = in_features // BLOCK_VALUES[fmt], BLOCK_BYTES[fmt]
     blocks = rng.integers(0, 256, (out_features, nb, size), dtype=np.uint8)
     step = (2.0 if fmt == "q8_0" else 32.0) / 127 / in_features ** 0.5
+    if fmt == "q6_k":  # d per super-block at the end; random int8 scales and 6-bit codes
+        blocks[:, :, 208:210] = np.full((out_features, nb, 1), step / 1024, dtype=np.float16).view(np.uint8)
+        return QuantRows(fmt, blocks.reshape(out_features, -1), in_features)
     if fmt == "q4_k":  # d, dmin per super-block; the random 6-bit scales and mins are 0..63
         blocks[:, :, :2] = np.full((out_features, nb, 1), step / 32, dtype=np.float16).view(np.uint8)
         blocks[:, :, 2:4] = np.full((out_features, nb, 1), 7.5 * step / 32, dtype=np.float16).view(np.uint8)
@@ -165,6 +195,9 @@ def dequantize(rows: QuantRows) -> torch.Tensor:
     if rows.format == "q4_k":
         d, offsets, q = q4_k_parts(rows)
         return (d.repeat_interleave(BLOCK, dim=1) * q + offsets.repeat_interleave(BLOCK, dim=1)).float()
+    if rows.format == "q6_k":
+        scale, codes = q6_k_parts(rows)
+        return (scale.repeat_interleave(16, dim=1) * codes).float()
     blocks = torch.from_numpy(np.array(rows.blocks()))  # a copy: the file map is read-only
     d = blocks[:, :, :2].contiguous().view(torch.float16).float()
     if rows.format == "q8_0":
@@ -207,6 +240,23 @@ def q4_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return torch.from_numpy(scale), torch.from_numpy(offset), torch.from_numpy(q.astype(np.float64))
 
 
+def q6_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows as 16-input sub-blocks: the scale d * sc float64 [out, in / 16] and the codes
+    q - 32 float64 [out, in], inputs in order (llama.cpp's dequantize_row_q6_K: value 128 h +
+    32 c + l takes the low nibble of ql[64 h + l + 32 (c % 2)] (high nibble for c >= 2) and bits
+    2c, 2c + 1 of qh[32 h + l]); a value is scale * code, exact in fp32."""
+    blocks = np.array(rows.blocks())  # [out, nb, 210]
+    n, nb = blocks.shape[:2]
+    ql = blocks[:, :, 0:128].reshape(n, nb, 2, 2, 32)  # [half, c % 2, l]
+    qh = blocks[:, :, 128:192].reshape(n, nb, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=3)  # [half, c, l], c = 0..3
+    high = (qh >> (2 * np.arange(4).reshape(1, 1, 1, 4, 1))) & 3
+    codes = ((low | (high << 4)).astype(np.int64) - 32).reshape(n, rows.in_features)
+    sc = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float64)  # [out, nb, 16]
+    d = blocks[:, :, 208:210].copy().view(np.float16).astype(np.float64)
+    return torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(codes.astype(np.float64))
+
+
 def pack_quant_ref(rows: QuantRows) -> torch.Tensor:
     """The reference's handle: the dequantized weight transposed, [in, out] contiguous."""
     return dequantize(rows).t().contiguous()
@@ -240,7 +290,7 @@ def quant_linear_int8_ref(x: torch.Tensor, rows: QuantRows) -> torch.Tensor:
     xq, dx = quantize_activations_ref(x)
     m_rows, nb = x.shape[0], rows.in_features // BLOCK
     x_hat = (xq.double().reshape(m_rows, nb, BLOCK) * dx.double()[:, :, None]).reshape(x.shape)
-    if rows.format == "q8_0":
+    if rows.format in ("q8_0", "q6_k"):  # no offsets
         return x_hat @ dequantize(rows).double().t()
     if rows.format == "q4_k":
         scale, m, q = q4_k_parts(rows)

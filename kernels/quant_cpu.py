@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 from kernels.cpu import library
-from kernels.quant import BLOCK_VALUES, QuantRows, q4_k_scales, to_q4_1
+from kernels.quant import BLOCK_VALUES, QuantRows, q4_k_scales, q6_k_parts, to_q4_1
 
 _ops = library("quant_linear")
 _quant_linear = _ops.quant_linear.default
 _rms_norm_quant_linear = _ops.rms_norm_quant_linear.default
 LANES = library("linear").linear_lanes()
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2}
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3}
 _FORMATS = {v: k for k, v in FORMAT_IDS.items()}
 ACTIVATIONS_ENV = "PDSERVE_CPU_QUANT_ACTIVATIONS"
 ACTIVATIONS = ("int8", "fp32")
@@ -82,9 +82,9 @@ def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
     padded = np.zeros((num_panels * LANES, nb, blocks.shape[2]), dtype=np.uint8)
     padded[:n] = blocks
     per_lane = padded.reshape(num_panels, LANES, nb, -1).transpose(0, 2, 1, 3)  # [P, nb, L, bytes]
-    if rows.format == "q4_k":
-        panel = _q4_k_panels(per_lane)
-        return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS["q4_k"], exact)
+    if rows.format in ("q4_k", "q6_k"):
+        panel = _q4_k_panels(per_lane) if rows.format == "q4_k" else _q6_k_panels(per_lane)
+        return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS[rows.format], exact)
     if rows.format == "q8_0":
         header, quants = per_lane[..., :2], per_lane[..., 2:]  # d | 32 q
     else:
@@ -110,6 +110,27 @@ def _q4_k_panels(per_lane: np.ndarray) -> np.ndarray:
     quants = packed.reshape(p, nb, lanes, 8, 4, 4).transpose(0, 1, 3, 4, 2, 5)  # [P, nb, sub, group, L, 4]
     parts = [d, dmin, sc.transpose(0, 1, 3, 2), mn.transpose(0, 1, 3, 2), quants]
     return np.concatenate([part.reshape(p, nb, -1) for part in parts], axis=2)
+
+
+def _q6_k_panels(per_lane: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [P, nb, L, 210] -> the kernel's [P, nb, 210 L]: d per lane, the 16 int8
+    scales ([16][L]), and per block of 32 inputs its low 4 bits in the 4-bit layout ([4][L][4])
+    and its high 2 bits as two words per lane (quant_tiles.h's block_sums_q6k)."""
+    p, nb, lanes, _ = per_lane.shape
+    flat = np.ascontiguousarray(per_lane).reshape(p * nb * lanes, 1, 210)
+    _, codes = q6_k_parts(QuantRows("q6_k", flat.reshape(-1, 210), 256))
+    q = (codes.numpy().astype(np.int64) + 32).astype(np.uint8).reshape(p, nb, lanes, 8, 32)  # 0..63
+    low, high = q & 15, q >> 4
+    nibbles = (low[..., :16] | (low[..., 16:] << 4)).reshape(p, nb, lanes, 8, 4, 4)  # [.., block, group, t]
+    h = high.reshape(p, nb, lanes, 8, 2, 4, 4)  # [.., block, half, group, t]
+    # word w of a block, byte t: inputs 4g + t, 16 + 4g + t for g = 2w (bits 0-3), 2w + 1 (bits 4-7)
+    words = (h[:, :, :, :, 0, 0::2] | (h[:, :, :, :, 1, 0::2] << 2)
+             | (h[:, :, :, :, 0, 1::2] << 4) | (h[:, :, :, :, 1, 1::2] << 6))  # [.., block, w, t]
+    per_block = np.concatenate([nibbles.transpose(0, 1, 3, 4, 2, 5).reshape(p, nb, 8, -1),
+                                words.transpose(0, 1, 3, 4, 2, 5).reshape(p, nb, 8, -1)], axis=3)
+    d = per_lane[..., 208:210]
+    sc = per_lane[..., 192:208].transpose(0, 1, 3, 2)  # [P, nb, 16, L]
+    return np.concatenate([d.reshape(p, nb, -1), sc.reshape(p, nb, -1), per_block.reshape(p, nb, -1)], axis=2)
 
 
 def quant_linear(x: torch.Tensor, weight: PackedQuant) -> torch.Tensor:

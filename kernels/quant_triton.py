@@ -1,4 +1,4 @@
-"""Dequantize-in-kernel GEMV/GEMM in Triton for GGUF blocks (Q8_0, 4-bit and Q4_K, see kernels.quant).
+"""Dequantize-in-kernel GEMV/GEMM in Triton for GGUF blocks (Q8_0, 4-bit, Q4_K, Q6_K; kernels.quant).
 
     handle = pack(rows, device)        # QuantRows -> TritonQuant: quants, scales, offsets on device
     y = quant_linear(x, handle)        # x [M, in] fp32 -> [M, out] fp32
@@ -9,7 +9,10 @@ input i low and input i + 16 high; Q8_0: one int8 per input), ``d`` and ``m`` th
 fp16 scale and offset [out, in / 32] (m = 0 for Q8_0, -8 d for Q4_0). Q4_K keeps its
 super-block d and dmin [out, in / 256] and its 6-bit sub-block scales and mins a byte each
 [out, in / 32]: a sub-block's scale is d * sc, its offset -dmin * mn, formed in registers (its
-quant bytes are reordered at pack time to the 4-bit layout above). Each program computes
+quant bytes are reordered at pack time to the 4-bit layout above). Q6_K keeps its d per 256
+inputs in ``d``, its int8 scales per 16 in ``sc``, and its codes q - 32 as int8 per input in
+``qs`` (8 bits per weight where the file has 6.56: simpler unpacking, more bytes; the CPU kernel
+reads the file's bit planes). Each program computes
 BLOCK_N outputs of one row of x, streaming BLOCK_K inputs at a time: it loads the quant bytes,
 unpacks and scales them in registers, and accumulates x * w in fp32. Weights stay 4/8-bit in
 memory; that is the point on a GPU, where decode is bound by the bytes read. Tested on CPU
@@ -25,7 +28,7 @@ import torch
 
 from kernels._checks import check_tensor
 from kernels._triton import check_launchable, tl, triton
-from kernels.quant import BLOCK, BLOCK_VALUES, QuantRows, q4_k_scales, to_q4_1
+from kernels.quant import BLOCK, BLOCK_VALUES, QuantRows, q4_k_scales, q6_k_parts, to_q4_1
 
 BLOCK_N, BLOCK_K = 16, 64
 
@@ -36,8 +39,9 @@ class TritonQuant:
     d: torch.Tensor  # fp16 [out, in / 32]; Q4_K: d [out, in / 256]
     m: torch.Tensor  # fp16 [out, in / 32]; Q4_K: dmin [out, in / 256]
     four_bit: bool
-    sc: torch.Tensor | None = None  # Q4_K only: uint8 [out, in / 32] sub-block scales
-    mn: torch.Tensor | None = None  # ... and mins
+    sc: torch.Tensor | None = None  # Q4_K: uint8 [out, in / 32] sub-block scales; Q6_K: int8 [out, in / 16]
+    mn: torch.Tensor | None = None  # Q4_K: ... and mins
+    six_bit: bool = False  # Q6_K
 
     @property
     def out_features(self) -> int:
@@ -52,6 +56,14 @@ def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
     """Split ``rows`` into quants, scales and offsets on ``device``."""
     if rows.format == "q4_k":
         return _pack_q4_k(rows, device)
+    if rows.format == "q6_k":
+        blocks = np.array(rows.blocks())  # [out, nb, 210]
+        n, nb, _ = blocks.shape
+        _, codes = q6_k_parts(rows)
+        d = torch.from_numpy(blocks[:, :, 208:210].copy()).view(torch.float16).reshape(n, nb)
+        sc = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8).reshape(n, nb * 16))
+        return TritonQuant(codes.to(torch.int8).to(device), d.to(device), d.to(device), False, sc.to(device),
+                           six_bit=True)
     four_bit = rows.format != "q8_0"
     if four_bit:
         rows = to_q4_1(rows)
@@ -84,7 +96,7 @@ def _pack_q4_k(rows: QuantRows, device: torch.device | str) -> TritonQuant:
 @triton.jit
 def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
                        stride_sc, stride_out, FOUR_BIT: tl.constexpr, K_QUANT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SIX_BIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -102,7 +114,12 @@ def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, 
             q = ((byte >> ((within // 16) * 4)[None, :]) & 15).to(tl.float32)
         else:
             q = tl.load(qs_ptr + cols[:, None] * stride_qs + ks[None, :], mask=mask, other=0).to(tl.float32)
-        if K_QUANT:  # sub-block scale d * sc and offset -dmin * mn, d and dmin per 8 sub-blocks
+        if SIX_BIT:  # Q6_K: d per 256 inputs times the int8 scale per 16, no offset
+            sc = tl.load(sc_ptr + cols[:, None] * stride_sc + (ks // 16)[None, :], mask=mask, other=0).to(tl.float32)
+            d = tl.load(d_ptr + cols[:, None] * stride_d + (ks // 256)[None, :], mask=mask, other=0.0)
+            d = d.to(tl.float32) * sc
+            m = tl.zeros_like(d)
+        elif K_QUANT:  # sub-block scale d * sc and offset -dmin * mn, d and dmin per 8 sub-blocks
             sc = tl.load(sc_ptr + cols[:, None] * stride_sc + block[None, :], mask=mask, other=0).to(tl.float32)
             mn = tl.load(mn_ptr + cols[:, None] * stride_sc + block[None, :], mask=mask, other=0).to(tl.float32)
             d = tl.load(d_ptr + cols[:, None] * stride_d + (block // 8)[None, :], mask=mask, other=0.0)
@@ -125,11 +142,11 @@ def quant_linear(x: torch.Tensor, weight: TritonQuant) -> torch.Tensor:
     num_rows, n = x.shape[0], weight.out_features
     out = torch.empty(num_rows, n, dtype=torch.float32, device=x.device)
     if num_rows:
-        k_quant = weight.sc is not None
-        sc = weight.sc if weight.sc is not None else weight.qs  # not read unless K_QUANT
+        k_quant = weight.sc is not None and not weight.six_bit
+        sc = weight.sc if weight.sc is not None else weight.qs  # not read unless K_QUANT / SIX_BIT
         mn = weight.mn if weight.mn is not None else weight.qs
         _quant_gemv_kernel[(num_rows, triton.cdiv(n, BLOCK_N))](
             x, weight.qs, weight.d, weight.m, sc, mn, out, n, weight.in_features, x.stride(0),
             weight.qs.stride(0), weight.d.stride(0), sc.stride(0), out.stride(0),
-            FOUR_BIT=weight.four_bit, K_QUANT=k_quant, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            FOUR_BIT=weight.four_bit, K_QUANT=k_quant, SIX_BIT=weight.six_bit, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out

@@ -1,6 +1,6 @@
-"""The compiled quantized linear (Q8_0, Q4_0, Q4_1, Q4_K) against its exact reference and against
-dequantize-then-matmul in float64. (Q4_K weights have 256 inputs per block: its cases take 8x
-the inputs where a shape is not a multiple of 256.)
+"""The compiled quantized linear (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) against its exact reference and
+against dequantize-then-matmul in float64. (The K-quants have 256 inputs per block: their cases
+take 8x the inputs where a shape is not a multiple of 256.)
 
 By default the kernel quantizes x to int8 per block of 32 inputs and sums integer products
 (llama.cpp's scheme); with activations "fp32" it multiplies the file's exact values by the fp32 x.
@@ -48,7 +48,8 @@ except CpuKernelsUnavailable as exc:
     pytest.skip(f"compiled CPU kernels unavailable: {exc}", allow_module_level=True)
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-        "q4_1": GGMLQuantizationType.Q4_1, "q4_k": GGMLQuantizationType.Q4_K}
+        "q4_1": GGMLQuantizationType.Q4_1, "q4_k": GGMLQuantizationType.Q4_K,
+        "q6_k": GGMLQuantizationType.Q6_K}
 
 
 def _k(fmt, k):
@@ -186,12 +187,15 @@ def test_bad_arguments_name_what_is_wrong():
         quant_linear(_randn(2, 256), pack(_rows(20, 512, "q4_k")))
 
 
-def test_q4_k_scales_and_layout():
-    """Q4_K's 6-bit scales unpack as llama.cpp's get_scale_min_k4 (through gguf's dequantizer,
-    above), the packed panels hold 148 bytes per 256 inputs per column (the file's 144 with the
-    scales a byte each), and its fused rows stay Q4_K; mixing it with Q4_1 rows is refused."""
+def test_k_quant_layouts():
+    """Q4_K's 6-bit scales unpack as llama.cpp's get_scale_min_k4 and Q6_K's bit planes as its
+    dequantize_row_q6_K (both through gguf's dequantizer, above); the packed panels hold 148
+    bytes per 256 inputs per column for Q4_K (the file's 144, scales a byte each) and Q6_K's
+    210 as in the file; fused rows keep their format, and mixing formats is refused."""
     rows = _rows(2 * LANES, 512, "q4_k")
     assert pack(rows).nbytes == 2 * LANES * 2 * 148 and pack(rows).in_features == 512
+    six = _rows(LANES + 1, 512, "q6_k")
+    assert pack(six).nbytes == 2 * LANES * 2 * 210 and pack(six).in_features == 512
     fused = cat_rows([rows, _rows(3, 512, "q4_k", seed=2)])
     assert fused.format == "q4_k" and fused.out_features == 2 * LANES + 3
     with pytest.raises(ValueError, match="cannot fuse rows"):

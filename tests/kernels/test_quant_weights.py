@@ -80,43 +80,48 @@ def test_fp32_and_bad_settings(model):
         EngineConfig(model=config, weight_format="int4")
 
 
-def _q4_k_file(tmp_path, **types):
-    """A 2-layer llama GGUF of 256-wide rows with every layer matmul in Q4_K, but ``types``."""
-    path = tmp_path / "q4k.gguf"
+def _k_quant_file(tmp_path, **types):
+    """A 2-layer llama GGUF of 256-wide rows, laid out as llama.cpp's Q4_K_M: the layer matmuls
+    in Q4_K but ffn_down and the output in Q6_K, and ``types`` over that."""
+    path = tmp_path / "q4_k_m.gguf"
     write_tiny_gguf(path, hidden=256, inner=512, num_heads=4, num_kv_heads=2,
-                    types={**dict.fromkeys(LINEAR_KINDS, T.Q4_K), **types})
+                    types={**dict.fromkeys(LINEAR_KINDS, T.Q4_K), "ffn_down": T.Q6_K, "output": T.Q6_K, **types})
     return load_model(str(path))
 
 
-def test_a_q4_k_file_is_served_from_its_own_blocks(tmp_path, monkeypatch):
-    """The loader keeps Q4_K blocks (Q/K rows back in HF order) whose values are the fp32
-    weights; q4 and auto serve them as stored; the compiled kernels on them (fp32 activations:
-    the exact values) give the fp32 model's hidden states within fp32 rounding."""
-    loaded = _q4_k_file(tmp_path)
+def test_a_k_quant_file_is_served_from_its_own_blocks(tmp_path, monkeypatch):
+    """The loader keeps Q4_K and Q6_K blocks (Q/K rows back in HF order) whose values are the
+    fp32 weights; auto serves them all as stored, q4 the Q4_K ones (Q6_K layers to Q4_1, the
+    Q6_K head kept); the compiled kernels on them (fp32 activations: the exact values) give the
+    fp32 model's hidden states and logits within fp32 rounding."""
+    loaded = _k_quant_file(tmp_path)
     config, weights, blocks = loaded.config, loaded.weights, loaded.blocks
-    for name in linear_weight_names(config):
-        assert blocks[name].format == "q4_k" and torch.equal(dequantize(blocks[name]), weights[name]), name
-    for fmt in ("q4", "auto"):
-        plan = plan_quantized(config, weights, blocks, fmt)
-        assert all(plan[name] is blocks[name] for name in linear_weight_names(config)), fmt
+    for name in [*linear_weight_names(config), HEAD]:
+        assert blocks[name].format == ("q6_k" if "down" in name or name == HEAD else "q4_k"), name
+        assert torch.equal(dequantize(blocks[name]), weights[name]), name
+    plan = plan_quantized(config, weights, blocks, "auto")
+    assert all(plan[name] is blocks[name] for name in [*linear_weight_names(config), HEAD])
+    q4 = plan_quantized(config, weights, blocks, "q4")
+    assert {q4[n].format for n in linear_weight_names(config)} == {"q4_k", "q4_1"} and q4[HEAD] is blocks[HEAD]
     monkeypatch.setenv("PDSERVE_CPU_QUANT_ACTIVATIONS", "fp32")
-    plan = plan_quantized(config, weights, blocks, "q4")
     quantized = LlamaForCausalLM(config, weights, compiled_ops(), quant_plan=plan)
-    assert quantized.stack is not None  # the decode path: the compiled stack on Q4_K panels
+    assert quantized.stack is not None  # the decode path: the compiled stack on K-quant panels
     reference = LlamaForCausalLM(config, weights, get_ops("torch"))
     for seqs in ([ScheduledSeq(list(range(5, 45)), 0, [0, 1, 2])], [ScheduledSeq([7], 20, [3, 4])]):
         step = build_model_input(seqs, 16)
         out = []
         for model in (quantized, reference):
             cache = allocate_kv_cache(config, CacheConfig(block_size=16, num_blocks=8))
-            out.append(model.forward(step.input_ids, step.positions, step.attn, cache))
-        torch.testing.assert_close(out[0], out[1], atol=2e-4, rtol=2e-4)
+            hidden = model.forward(step.input_ids, step.positions, step.attn, cache)
+            out.append((hidden, model.compute_logits(hidden)))
+        torch.testing.assert_close(out[0][0], out[1][0], atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(out[0][1], out[1][1], atol=2e-4, rtol=2e-4)
 
 
 def test_a_fused_group_of_mixed_stored_formats_is_quantized_as_a_whole(tmp_path):
-    """A Q4_K q/k beside a Q8_0 v (as a Q4_K_M file's Q6_K v ends up): one matmul needs one
-    layout, so q4 quantizes the whole group to Q4_1 and auto to Q8_0; other groups keep Q4_K."""
-    loaded = _q4_k_file(tmp_path, attn_v=T.Q8_0)
+    """A Q4_K q/k beside a Q6_K v (a Q4_K_M file's mix): one matmul needs one layout, so q4
+    quantizes the whole group to Q4_1 and auto to Q8_0; other groups keep their blocks."""
+    loaded = _k_quant_file(tmp_path, attn_v=T.Q6_K)
     config, weights, blocks = loaded.config, loaded.weights, loaded.blocks
     qkv = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     for fmt, target in (("q4", "q4_1"), ("auto", "q8_0")):

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, TokenType
 from gguf.quants import quantize
 
-from kernels.quant import quantize_q4_k
+from kernels.quant import quantize_q4_k, quantize_q6_k
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -58,7 +58,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, tied: bool = False, num_
                     seed: int = 0, types: dict[str, T] | None = None) -> dict[str, torch.Tensor]:
     """Write a random Llama-family GGUF as llama.cpp would (Q/K permuted for 'llama', biases for
     'qwen2') and return the HF-layout weights it was made from (before quantization). ``types``
-    overrides TINY_GGUF_TYPES per kind (Q4_K needs rows a multiple of 256 wide)."""
+    overrides TINY_GGUF_TYPES per kind (the K-quants need rows a multiple of 256 wide)."""
     storage = {**TINY_GGUF_TYPES, **(types or {})}
     tokens, token_types, merges = tiny_vocab()
     rng = np.random.default_rng(seed)
@@ -97,8 +97,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, tied: bool = False, num_
         if permute_heads:
             values = llama_cpp_permute(values, permute_heads)
         qtype = storage.get(kind, T.F32)
-        if qtype == T.Q4_K:  # gguf-py cannot quantize to Q4_K
-            stored = quantize_q4_k(torch.from_numpy(values)).data
+        if qtype in (T.Q4_K, T.Q6_K):  # gguf-py cannot quantize to the K-quants
+            stored = (quantize_q4_k if qtype == T.Q4_K else quantize_q6_k)(torch.from_numpy(values)).data
         else:
             stored = values if qtype == T.F32 else quantize(values, qtype)
         writer.add_tensor(gguf_name, stored, raw_shape=stored.shape, raw_dtype=qtype)

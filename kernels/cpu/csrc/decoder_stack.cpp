@@ -254,18 +254,20 @@ class DecoderStack : public torch::CustomClassHolder {
     prefetch_bytes(next.data_ptr<unsigned char>() + first * item_bytes, std::min(next.numel(), item_bytes));
   }
 
-  // The thread's residual += x (rows of H), and its rows = rms_norm(residual) * norm: the fused
-  // op's values (rms_norm_quant_linear), with x + residual summed in its order.
-  void add_and_norm(Scratch& s, const float* x, int64_t M, const at::Tensor& norm) const {
+  // The thread's residual += x (rows of H), and out = rms_norm(residual) * norm (out: the
+  // thread's rows unless given): the ops' values (rms_norm_quant_linear, rms_norm_residual),
+  // x + residual summed in their order.
+  void add_and_norm(Scratch& s, const float* x, int64_t M, const at::Tensor& norm, float* out = nullptr) const {
     const int64_t H = hidden_size_;
     const float* weight = norm.data_ptr<float>();
+    if (out == nullptr) out = s.rows.data();
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * H;
       float* sr = s.residual.data() + m * H;
       int64_t i = 0;
       for (; i + kLanes <= H; i += kLanes) vstore(sr + i, vload(xr + i) + vload(sr + i));
       for (; i < H; ++i) sr[i] = xr[i] + sr[i];
-      rms_norm_row(sr, weight, s.rows.data() + m * H, H, static_cast<float>(eps_));
+      rms_norm_row(sr, weight, out + m * H, H, static_cast<float>(eps_));
     }
   }
 
@@ -320,18 +322,9 @@ class DecoderStack : public torch::CustomClassHolder {
         multiply(prepare(s, s.rows.data(), H, T, H, next_qkv), T, next_qkv, qkv_p, t, nt);
       });
     }
-    // the final norm of x + residual (the ops' rms_norm_residual), from thread 0's residual
+    // the final norm of x + residual, from thread 0's residual
     at::Tensor normed = at::empty({T, H}, options);
-    Scratch& s = scratch_[0];
-    for (int64_t m = 0; m < T; ++m) {
-      float* sr = s.residual.data() + m * H;
-      const float* xr = x_p + m * H;
-      int64_t j = 0;
-      for (; j + kLanes <= H; j += kLanes) vstore(sr + j, vload(xr + j) + vload(sr + j));
-      for (; j < H; ++j) sr[j] = xr[j] + sr[j];
-      rms_norm_row(sr, norms_.back().data_ptr<float>(), normed.data_ptr<float>() + m * H, H,
-                   static_cast<float>(eps_));
-    }
+    add_and_norm(scratch_[0], x_p, T, norms_.back(), normed.data_ptr<float>());
     return normed;
   }
 

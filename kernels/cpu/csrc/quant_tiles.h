@@ -24,13 +24,17 @@
 //     Q8_0:  d [kLanes] fp16 | qs [8][kLanes][4] i8                      (34 * kLanes bytes)
 //     Q4_K:  d [kLanes] fp16 | dmin [kLanes] fp16 | sc [8][kLanes] u8 | mn [8][kLanes] u8 |
 //            8 x qs [4][kLanes][4] u8 (one per sub-block of 32)          (148 * kLanes bytes)
+//     Q6_K:  d [kLanes] fp16 | sc [16][kLanes] i8 (per 16 inputs) | 8 x (low 4 bits of 32 inputs
+//            as 4-bit qs [4][kLanes][4] u8, their high 2 bits [2][kLanes][4] u8: block_sums_q6k)
+//                                                                         (210 * kLanes bytes)
 // qs[g][c][t] is column c's file byte 4 g + t: one 32-bit lane per column holding 4 consecutive
 // inputs, what a 4-byte dot product instruction consumes. For 4-bit, the low nibble is input
 // 4 g + t and the high nibble input 16 + 4 g + t (the file's nibble order; Q4_K's nibbles are
 // reordered to it at load, and its 6-bit scales and mins unpacked to a byte each). The bytes per
-// weight are the file's own (20 or 34 per 32, 148 for Q4_K's 144 per 256), so a decode step
+// weight are the file's own (20 or 34 per 32, 148 for Q4_K's 144 per 256, Q6_K's 210), so a decode step
 // streams the file's bytes once. A Q4_K sub-block s is a 4-bit block whose scale is
-// d * sc[s] and offset -dmin * mn[s] (both exact in fp32).
+// d * sc[s] and offset -dmin * mn[s] (both exact in fp32); a Q6_K value is d * sc * (q - 32)
+// with q the 6-bit code (exact in fp32 too).
 //
 // Everything here is in an anonymous namespace on purpose: each library is built for one ISA and
 // several are loaded side by side (tests compare them), so no symbol of this code may be shared.
@@ -60,16 +64,21 @@ constexpr int kRows = 4;     // 32 zmm: 2 * 4 * 2 int sums + 4 * 2 fp32 sums + w
 #else
 constexpr int kRows = 2;     // 16 ymm
 #endif
-enum Format : int64_t { kQ8_0 = 0, kQ4 = 1, kQ4K = 2 };
+enum Format : int64_t { kQ8_0 = 0, kQ4 = 1, kQ4K = 2, kQ6K = 3 };
 
 template <int F>
-constexpr int64_t block_bytes() { return F == kQ4 ? 20 * kLanes : F == kQ4K ? 148 * kLanes : 34 * kLanes; }
+constexpr int64_t block_bytes() {
+  return F == kQ4 ? 20 * kLanes : F == kQ4K ? 148 * kLanes : F == kQ6K ? 210 * kLanes : 34 * kLanes;
+}
 
-// Inputs per block of a format (Q4_K: a super-block of 8 sub-blocks of 32).
-inline int64_t block_inputs(int64_t format) { return format == kQ4K ? 256 : 32; }
+// Inputs per block of a format (the K-quants: super-blocks of 256).
+inline int64_t block_inputs(int64_t format) { return format == kQ4K || format == kQ6K ? 256 : 32; }
 
 inline int64_t format_block_bytes(int64_t format) {
-  return format == kQ4 ? block_bytes<kQ4>() : format == kQ4K ? block_bytes<kQ4K>() : block_bytes<kQ8_0>();
+  return format == kQ4    ? block_bytes<kQ4>()
+         : format == kQ4K ? block_bytes<kQ4K>()
+         : format == kQ6K ? block_bytes<kQ6K>()
+                          : block_bytes<kQ8_0>();
 }
 
 // ---- the ISA's 4-byte dot products: ivec is kLanes int32 lanes, each 4 bytes of one column ----
@@ -78,6 +87,12 @@ using ivec = __m512i;
 inline ivec iload(const unsigned char* p) { return _mm512_loadu_si512(p); }
 inline ivec isplat(int32_t v) { return _mm512_set1_epi32(v); }
 inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec isub(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
+// Q6_K: per byte, a 4-bit value | the 2 bits at bit S of h's same byte, shifted to bits 4-5
+template <int S>
+inline ivec with_high2(ivec low4, ivec h) {
+  return _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, S), _mm512_set1_epi8(3)), 4));
+}
 inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline ivec high_nibbles(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline vfloat to_float(ivec v) { return (vfloat)_mm512_cvtepi32_ps(v); }
@@ -106,6 +121,11 @@ using ivec = __m256i;
 inline ivec iload(const unsigned char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline ivec isplat(int32_t v) { return _mm256_set1_epi32(v); }
 inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec isub(ivec a, ivec b) { return _mm256_sub_epi32(a, b); }
+template <int S>
+inline ivec with_high2(ivec low4, ivec h) {
+  return _mm256_or_si256(low4, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, S), _mm256_set1_epi8(3)), 4));
+}
 inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 inline ivec high_nibbles(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline vfloat to_float(ivec v) { return (vfloat)_mm256_cvtepi32_ps(v); }
@@ -125,6 +145,9 @@ using ivec = vint;
 inline ivec iload(const unsigned char* p) { ivec v; std::memcpy(&v, p, sizeof v); return v; }
 inline ivec isplat(int32_t v) { return ivec{} + v; }
 inline ivec iadd(ivec a, ivec b) { return a + b; }
+inline ivec isub(ivec a, ivec b) { return a - b; }
+template <int S>
+inline ivec with_high2(ivec low4, ivec h) { return low4 | (((h >> S) & 0x03030303) << 4); }
 inline ivec low_nibbles(ivec v) { return v & 0x0f0f0f0f; }
 inline ivec high_nibbles(ivec v) { return (v >> 4) & 0x0f0f0f0f; }
 inline vfloat to_float(ivec v) { return __builtin_convertvector(v, vfloat); }
@@ -357,6 +380,91 @@ inline void block_sums(const Rows& rows, int64_t b, const unsigned char* const* 
   }
 }
 
+// Q6_K's 32-input block b: lo[r][j] / hi[r][j] = the sums over its first / last 16 inputs of
+// x[k] (q[k] - 32) (times dx when x is quantized), for row r and panel j, whose block holds its
+// 4-bit parts at nib[j] (the 4-bit layout) and 2-bit parts at hib[j]: two words per lane, word
+// w's byte t holding the high bits of inputs 4g + t, 16 + 4g + t for g = 2w (bits 0-1, 2-3) and
+// g = 2w + 1 (bits 4-5, 6-7). The halves have their own scales, so their sums stay apart.
+template <bool Exact, int R, int NP>
+inline void block_sums_q6k(const Rows& rows, int64_t b, const unsigned char* const* nib,
+                           const unsigned char* const* hib, vfloat (&lo)[R][NP], vfloat (&hi)[R][NP]) {
+  constexpr int64_t G = 4 * kLanes;
+  const int64_t nb = rows.nb, K = rows.K;
+  if constexpr (Exact) {
+    const float* xb = rows.x + b * kBlock;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NP; ++j) lo[r][j] = hi[r][j] = vfloat{};
+    auto group = [&](auto t_const, const vint* raw, const vint* high, int g) {
+      constexpr int T = decltype(t_const)::value;
+      const int shift = 4 * (g % 2);
+      vfloat w0[NP], w1[NP];
+      for (int j = 0; j < NP; ++j) {
+        const vint nibbles = lane_byte<T, false>(raw[j]), h = lane_byte<T, false>(high[j]);
+        w0[j] = __builtin_convertvector((nibbles & 15) | (((h >> shift) & 3) << 4), vfloat) - vsplat(32.f);
+        w1[j] = __builtin_convertvector((nibbles >> 4) | (((h >> (shift + 2)) & 3) << 4), vfloat) - vsplat(32.f);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xb + r * rows.x_stride;
+        const vfloat x0 = vsplat(xr[4 * g + T]), x1 = vsplat(xr[16 + 4 * g + T]);
+        for (int j = 0; j < NP; ++j) {
+          lo[r][j] += x0 * w0[j];
+          hi[r][j] += x1 * w1[j];
+        }
+      }
+    };
+    for (int g = 0; g < 4; ++g) {
+      vint raw[NP], high[NP];
+      for (int j = 0; j < NP; ++j) {
+        std::memcpy(&raw[j], nib[j] + g * G, sizeof(vint));
+        std::memcpy(&high[j], hib[j] + (g / 2) * G, sizeof(vint));
+      }
+      group(std::integral_constant<int, 0>{}, raw, high, g);
+      group(std::integral_constant<int, 1>{}, raw, high, g);
+      group(std::integral_constant<int, 2>{}, raw, high, g);
+      group(std::integral_constant<int, 3>{}, raw, high, g);
+    }
+  } else {
+    // unsigned codes q (0..63) against xq, then 32 * sum(xq) off each half: the same integers
+    // as (q - 32) * xq, with the unsigned-by-signed byte product every ISA has
+    const int8_t* xb = rows.xq + b * kBlock;
+    const ivec thirty_two = isplat(0x20202020);
+    ivec lo_i[R][NP], hi_i[R][NP], lo_c[R], hi_c[R];
+    for (int r = 0; r < R; ++r) {
+      lo_c[r] = hi_c[r] = isplat(0);
+      for (int j = 0; j < NP; ++j) lo_i[r][j] = hi_i[r][j] = isplat(0);
+    }
+    for (int g = 0; g < 4; ++g) {
+      ivec wl[NP], wh[NP];
+      for (int j = 0; j < NP; ++j) {
+        const ivec raw = iload(nib[j] + g * G), h = iload(hib[j] + (g / 2) * G);
+        if (g % 2 == 0) {
+          wl[j] = with_high2<0>(low_nibbles(raw), h);
+          wh[j] = with_high2<2>(high_nibbles(raw), h);
+        } else {
+          wl[j] = with_high2<4>(low_nibbles(raw), h);
+          wh[j] = with_high2<6>(high_nibbles(raw), h);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const ivec xl = xsplat(xb + r * K + 4 * g), xh = xsplat(xb + r * K + 16 + 4 * g);
+        lo_c[r] = dot_u8(lo_c[r], thirty_two, xl);
+        hi_c[r] = dot_u8(hi_c[r], thirty_two, xh);
+        for (int j = 0; j < NP; ++j) {
+          lo_i[r][j] = dot_u8(lo_i[r][j], wl[j], xl);
+          hi_i[r][j] = dot_u8(hi_i[r][j], wh[j], xh);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const vfloat dx = vsplat(rows.dx[r * nb + b]);
+      for (int j = 0; j < NP; ++j) {
+        lo[r][j] = dx * to_float(isub(lo_i[r][j], lo_c[r]));
+        hi[r][j] = dx * to_float(isub(hi_i[r][j], hi_c[r]));
+      }
+    }
+  }
+}
+
 // kLanes bytes -> fp32 lanes (a Q4_K sub-block's 6-bit scales or mins, one per column)
 inline vfloat vload_u8(const unsigned char* p) { return __builtin_convertvector(vwiden_u8(p), vfloat); }
 
@@ -365,7 +473,7 @@ template <int F, bool Exact, int R, int NP>
 void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out, int64_t out_stride,
           int64_t N) {
   constexpr int64_t BB = block_bytes<F>();
-  constexpr int kSub = F == kQ4K ? 8 : 1;  // 32-input blocks per weight block
+  constexpr int kSub = F == kQ4K || F == kQ6K ? 8 : 1;  // 32-input blocks per weight block
   const int64_t nb = rows.nb, nwb = nb / kSub;
   vfloat acc[R][NP];
   for (int r = 0; r < R; ++r)
@@ -377,8 +485,10 @@ void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out,
     // block by block, so those bytes arrive while this item computes. Measured at batch-1
     // decode on the default model (Xeon, AVX-512, 2 threads): the layer matmuls and the LM head
     // over 96 MB of blocks took 2.4 ms instead of 3.4 without it. A prefetch past the end of
-    // the weight is harmless (no fault); it fetches some other bytes.
-    if constexpr (F != kQ4K)
+    // the weight is harmless (no fault); it fetches some other bytes. The K-quants' 2.4-3.4 KB
+    // per panel are spread over their 8 blocks of 32 below (all at once, Q4_K's matmuls took
+    // 1.17x the time).
+    if constexpr (kSub == 1)
       for (int j = 0; j < NP; ++j) prefetch_bytes(blk[j] + kPanels * nwb * BB, BB);
     vfloat sums[R][NP];
     const unsigned char* qs[NP];
@@ -388,7 +498,7 @@ void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out,
         const int64_t b = wb * kSub + s;
         for (int j = 0; j < NP; ++j) {
           qs[j] = blk[j] + (20 + 16 * s) * kLanes;
-          prefetch_bytes(blk[j] + kPanels * nwb * BB + s * (BB / kSub), BB / kSub);  // spread over the sub-blocks
+          prefetch_bytes(blk[j] + kPanels * nwb * BB + s * (BB / kSub), BB / kSub);
         }
         block_sums<kQ4, Exact, R, NP>(rows, b, qs, sums);
         for (int j = 0; j < NP; ++j) {
@@ -397,6 +507,30 @@ void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out,
           for (int r = 0; r < R; ++r) {
             acc[r][j] += scale * sums[r][j];
             acc[r][j] += offset * vsplat(rows.xsum[r * nb + b]);
+          }
+        }
+      }
+      continue;
+    }
+    if constexpr (F == kQ6K) {
+      // 8 blocks of 32, each two halves of scale d * sc[2 s] and d * sc[2 s + 1]
+      for (int s = 0; s < kSub; ++s) {
+        const int64_t b = wb * kSub + s;
+        const unsigned char* hib[NP];
+        for (int j = 0; j < NP; ++j) {
+          qs[j] = blk[j] + (18 + 24 * s) * kLanes;
+          hib[j] = qs[j] + 16 * kLanes;
+          prefetch_bytes(blk[j] + kPanels * nwb * BB + s * (BB / kSub), BB / kSub);
+        }
+        vfloat hi_sums[R][NP];
+        block_sums_q6k<Exact, R, NP>(rows, b, qs, hib, sums, hi_sums);
+        for (int j = 0; j < NP; ++j) {
+          const vfloat d = vload_half(blk[j]);
+          const auto* sc = reinterpret_cast<const signed char*>(blk[j] + (2 + 2 * s) * kLanes);
+          const vfloat scale_lo = d * vload_int8(sc), scale_hi = d * vload_int8(sc + kLanes);
+          for (int r = 0; r < R; ++r) {
+            acc[r][j] += scale_lo * sums[r][j];
+            acc[r][j] += scale_hi * hi_sums[r][j];
           }
         }
       }
@@ -465,6 +599,9 @@ inline void multiply_items(const Rows& rows, int64_t M, const unsigned char* wp,
       } else if (format == kQ4K) {
         if (exact) rows_tile<kQ4K, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         else rows_tile<kQ4K, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
+      } else if (format == kQ6K) {
+        if (exact) rows_tile<kQ6K, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
+        else rows_tile<kQ6K, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
       } else {
         if (exact) rows_tile<kQ8_0, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         else rows_tile<kQ8_0, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
