@@ -14,8 +14,9 @@ GGUF file stores them: blocks of 32 values per row (256 for the K-quant), each b
 with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q4_k:
 byte i of each 32 holds sub-block 2c's input i and sub-block 2c + 1's input i, llama.cpp's
 order; q6_k: llama.cpp's, ``q6_k_parts``). The kernels serve four layouts: ``q8_0``, ``q4_1``
-for Q4_0/Q4_1 blocks (``to_q4_1`` rewrites a Q4_0 block exactly: m = -8 d), ``q4_k`` and ``q6_k``. Rows can be reordered and concatenated
-as bytes, so fused matmuls (q/k/v, gate/up) keep the file's blocks.
+for Q4_0/Q4_1 blocks (``to_q4_1`` rewrites a Q4_0 block exactly: m = -8 d), ``q4_k`` and
+``q6_k``. Rows can be reordered and concatenated as bytes, so fused matmuls (q/k/v, gate/up)
+keep the file's blocks.
 
     rows = QuantRows.from_gguf("q4_1", raw_bytes, in_features)
     w = dequantize(rows)                 # fp32 [out, in], the values HF's loader produces

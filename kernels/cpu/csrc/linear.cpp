@@ -65,16 +65,7 @@ void tile(const float* x, int64_t x_stride, const float* panels, int64_t K, int6
   for (int j = 0; j < NP; ++j) {
     const int64_t col = (p0 + j) * kLanes;
     const int64_t width = std::min<int64_t>(kLanes, N - col);
-    for (int r = 0; r < R; ++r) {
-      float* dst = out + r * out_stride + col;
-      if (width == kLanes) {
-        vstore(dst, acc[0][r][j]);
-      } else {
-        float tmp[kLanes];
-        vstore(tmp, acc[0][r][j]);
-        std::memcpy(dst, tmp, width * sizeof(float));
-      }
-    }
+    for (int r = 0; r < R; ++r) vstore_first(out + r * out_stride + col, acc[0][r][j], width);
   }
 }
 

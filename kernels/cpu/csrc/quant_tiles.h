@@ -550,16 +550,7 @@ void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out,
   for (int j = 0; j < NP; ++j) {
     const int64_t col = (p0 + j) * kLanes;
     const int64_t width = std::min<int64_t>(kLanes, N - col);
-    for (int r = 0; r < R; ++r) {
-      float* dst = out + r * out_stride + col;
-      if (width == kLanes) {
-        vstore(dst, acc[r][j]);
-      } else {
-        float tmp[kLanes];
-        vstore(tmp, acc[r][j]);
-        std::memcpy(dst, tmp, width * sizeof(float));
-      }
-    }
+    for (int r = 0; r < R; ++r) vstore_first(out + r * out_stride + col, acc[r][j], width);
   }
 }
 

@@ -41,6 +41,14 @@ inline vfloat vload(const float* p) {
 
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// The first `width` (<= kLanes) lanes of v to p: a matmul's last column panel, narrower than a vector.
+inline void vstore_first(float* p, vfloat v, int64_t width) {
+  if (width == kLanes) return vstore(p, v);
+  float tmp[kLanes];
+  vstore(tmp, v);
+  std::memcpy(p, tmp, width * sizeof(float));
+}
+
 // kLanes one-byte codes of a quantized KV row, widened to int32 lanes (vpmovsxbd / vpmovzxbd;
 // GCC's __builtin_convertvector from a byte vector goes lane by lane, 3x slower than fp32 rows).
 inline vint vwiden_s8(const signed char* p) {
