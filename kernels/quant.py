@@ -6,17 +6,20 @@ GGUF file stores them: blocks of 32 values per row (256 for the K-quant), each b
     q8_0  d fp16 | 32 x int8 q                  value = d * q            (34 bytes)
     q4_0  d fp16 | 16 bytes                     value = d * (q - 8)      (18 bytes)
     q4_1  d fp16 | m fp16 | 16 bytes            value = d * q + m        (20 bytes)
+    q5_0  d fp16 | qh u32 | 16 bytes            value = d * (q - 16)     (22 bytes)
+    q5_1  d fp16 | m fp16 | qh u32 | 16 bytes   value = d * q + m        (24 bytes)
     q4_k  d fp16 | dmin fp16 | 12 bytes of 6-bit scales sc[8] and mins mn[8] | 128 bytes
           (256 values, 8 sub-blocks of 32)      value = d * sc[j] * q - dmin * mn[j]   (144 bytes)
     q6_k  128 bytes of low 4 bits | 64 bytes of high 2 bits | int8 sc[16] | d fp16
           (256 values, 16 sub-blocks of 16)     value = d * sc[j] * (q - 32)   (210 bytes)
 
-with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q4_k:
+with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q5: bit
+i of qh is input i's fifth bit; q4_k:
 byte i of each 32 holds sub-block 2c's input i and sub-block 2c + 1's input i, llama.cpp's
-order; q6_k: llama.cpp's, ``q6_k_parts``). The kernels serve four layouts: ``q8_0``, ``q4_1``
-for Q4_0/Q4_1 blocks (``to_q4_1`` rewrites a Q4_0 block exactly: m = -8 d), ``q4_k`` and
-``q6_k``. Rows can be reordered and concatenated as bytes, so fused matmuls (q/k/v, gate/up)
-keep the file's blocks.
+order; q6_k: llama.cpp's, ``q6_k_parts``). The kernels serve five layouts: ``q8_0``, ``q4_1``
+for Q4_0/Q4_1 blocks (``to_offset_form`` rewrites a Q4_0 block exactly: m = -8 d), ``q5_1`` for
+Q5_0/Q5_1 (m = -16 d), ``q4_k`` and ``q6_k``. Rows can be reordered and concatenated as bytes,
+so fused matmuls (q/k/v, gate/up) keep the file's blocks.
 
     rows = QuantRows.from_gguf("q4_1", raw_bytes, in_features)
     w = dequantize(rows)                 # fp32 [out, in], the values HF's loader produces
@@ -32,8 +35,11 @@ import numpy as np
 import torch
 
 BLOCK = 32  # inputs per block of x the kernels quantize, and per (sub-)block of every format
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
-BLOCK_VALUES = {"q8_0": BLOCK, "q4_0": BLOCK, "q4_1": BLOCK, "q4_k": 256, "q6_k": 256}  # inputs per block
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q6_k": 210}
+BLOCK_VALUES = {**dict.fromkeys(BLOCK_BYTES, BLOCK), "q4_k": 256, "q6_k": 256}  # inputs per block
+# the formats without an offset, and their offset form: d * (q - c) = d * q + m with m = -c d
+# (exact in fp16: c is a power of two)
+_OFFSET_FORMS = {"q4_0": ("q4_1", 8), "q5_0": ("q5_1", 16)}
 FORMATS = tuple(BLOCK_BYTES)
 
 
@@ -75,29 +81,28 @@ class QuantRows:
         return self.data.reshape(self.out_features, self.num_blocks, BLOCK_BYTES[self.format])
 
 
-def to_q4_1(rows: QuantRows) -> QuantRows:
-    """A 4-bit matrix as q4_1 (Q4_0's d * (q - 8) is d * q + m with m = -8 d, exact in fp16)."""
-    if rows.format == "q4_1":
+def to_offset_form(rows: QuantRows) -> QuantRows:
+    """Q4_0 rows as q4_1 and Q5_0 as q5_1 (d * (q - c) is d * q + m with m = -c d, exact in
+    fp16); other rows as they are."""
+    if rows.format not in _OFFSET_FORMS:
         return rows
-    if rows.format != "q4_0":
-        raise ValueError(f"to_q4_1 takes 4-bit rows, got {rows.format}")
+    target, c = _OFFSET_FORMS[rows.format]
     blocks = rows.blocks()
     d = blocks[:, :, :2].copy().view(np.float16)
-    m = (d.astype(np.float32) * -8).astype(np.float16).view(np.uint8)
+    m = (d.astype(np.float32) * -c).astype(np.float16).view(np.uint8)
     out = np.concatenate([blocks[:, :, :2], m, blocks[:, :, 2:]], axis=2)
-    return QuantRows("q4_1", out.reshape(rows.out_features, -1), rows.in_features)
+    return QuantRows(target, out.reshape(rows.out_features, -1), rows.in_features)
 
 
 def kernel_format(fmt: str) -> str:
-    """The layout the kernels serve ``fmt`` in: q4_0 as q4_1, the others as they are."""
-    return "q4_1" if fmt == "q4_0" else fmt
+    """The layout the kernels serve ``fmt`` in: q4_0 as q4_1, q5_0 as q5_1, the others as they are."""
+    return _OFFSET_FORMS[fmt][0] if fmt in _OFFSET_FORMS else fmt
 
 
 def cat_rows(parts: list[QuantRows]) -> QuantRows:
-    """Row-wise concatenation (a fused q/k/v or gate/up); Q4_0 and Q4_1 parts become q4_1.
+    """Row-wise concatenation (a fused q/k/v or gate/up); Q4_0/Q5_0 parts become q4_1/q5_1.
     ValueError for parts of different kernel formats or input sizes."""
-    if any(p.format == "q4_0" for p in parts):
-        parts = [to_q4_1(p) if p.format == "q4_0" else p for p in parts]
+    parts = [to_offset_form(p) for p in parts]
     if len({(p.format, p.in_features) for p in parts}) != 1:
         raise ValueError(f"cannot fuse rows of {[(p.format, p.in_features) for p in parts]}")
     return QuantRows(parts[0].format, np.concatenate([p.data for p in parts]), parts[0].in_features)
@@ -116,7 +121,8 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantRows:
     if fmt == "q6_k":
         return quantize_q6_k(w)
     qtype = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-             "q4_1": GGMLQuantizationType.Q4_1}[fmt]
+             "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,
+             "q5_1": GGMLQuantizationType.Q5_1}[fmt]
     data = gguf_quantize(np.ascontiguousarray(w.detach().float().cpu().numpy()), qtype)
     return QuantRows(fmt, np.ascontiguousarray(data, dtype=np.uint8), int(w.shape[1]))
 
@@ -186,7 +192,7 @@ def random_rows(out_features: int, in_features: int, fmt: str, seed: int = 0) ->
         blocks[:, :, 2:4] = np.full((out_features, nb, 1), 7.5 * step / 32, dtype=np.float16).view(np.uint8)
         return QuantRows(fmt, blocks.reshape(out_features, -1), in_features)
     blocks[:, :, :2] = np.full((out_features, nb, 1), step, dtype=np.float16).view(np.uint8)
-    if fmt == "q4_1":
+    if fmt in ("q4_1", "q5_1"):
         blocks[:, :, 2:4] = np.full((out_features, nb, 1), -7.5 * step, dtype=np.float16).view(np.uint8)
     return QuantRows(fmt, blocks.reshape(out_features, -1), in_features)
 
@@ -204,12 +210,24 @@ def dequantize(rows: QuantRows) -> torch.Tensor:
     if rows.format == "q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).float()
         return (d * q).reshape(rows.out_features, rows.in_features)
-    qs = blocks[:, :, -16:].to(torch.int32)
-    q = torch.cat([qs & 15, qs >> 4], dim=2).float()
-    if rows.format == "q4_0":
-        return (d * (q - 8)).reshape(rows.out_features, rows.in_features)
+    q = block_codes(rows).float()
+    if rows.format in _OFFSET_FORMS:
+        return (d * (q - _OFFSET_FORMS[rows.format][1])).reshape(rows.out_features, rows.in_features)
     m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()
     return (d * q + m).reshape(rows.out_features, rows.in_features)
+
+
+def block_codes(rows: QuantRows) -> torch.Tensor:
+    """The unsigned codes q of 4- and 5-bit rows (q4_0/q4_1/q5_0/q5_1): int32 [out, nb, 32],
+    inputs in order (byte i of the 16 quant bytes: input i low, i + 16 high; q5: bit i of the
+    little-endian qh before them is input i's fifth bit)."""
+    blocks = torch.from_numpy(np.array(rows.blocks()))
+    qs = blocks[:, :, -16:].to(torch.int32)
+    q = torch.cat([qs & 15, qs >> 4], dim=2)
+    if rows.format in ("q5_0", "q5_1"):
+        qh = blocks[:, :, -20:-16].contiguous().view(torch.int32)
+        q = q | (((qh >> torch.arange(BLOCK, dtype=torch.int32)) & 1) << 4)
+    return q
 
 
 def q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -297,7 +315,7 @@ def quant_linear_int8_ref(x: torch.Tensor, rows: QuantRows) -> torch.Tensor:
         scale, m, q = q4_k_parts(rows)
         scaled = scale.repeat_interleave(BLOCK, dim=1) * q
     else:
-        fused = to_q4_1(rows).blocks()
+        fused = to_offset_form(rows).blocks()
         m = torch.from_numpy(np.array(fused[:, :, 2:4])).view(torch.float16).double().reshape(rows.out_features, -1)
         scaled = dequantize(rows).double() - m.repeat_interleave(BLOCK, dim=1)  # d * q per input
     xsum = x.double().reshape(m_rows, nb, BLOCK).sum(dim=2)

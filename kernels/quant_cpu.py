@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 from kernels.cpu import library
-from kernels.quant import BLOCK_VALUES, QuantRows, q4_k_scales, q6_k_parts, to_q4_1
+from kernels.quant import BLOCK_VALUES, QuantRows, q4_k_scales, q6_k_parts, to_offset_form
 
 _ops = library("quant_linear")
 _quant_linear = _ops.quant_linear.default
 _rms_norm_quant_linear = _ops.rms_norm_quant_linear.default
 LANES = library("linear").linear_lanes()
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3}
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "q5_1": 4}
 _FORMATS = {v: k for k, v in FORMAT_IDS.items()}
 ACTIVATIONS_ENV = "PDSERVE_CPU_QUANT_ACTIVATIONS"
 ACTIVATIONS = ("int8", "fp32")
@@ -69,13 +69,12 @@ class PackedQuant:
 
 
 def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
-    """QuantRows -> the kernel's panel layout (Q4_0 as q4_1, Q4_K in its own; the last panel
-    zero-padded), for ``activations`` int8 or fp32 (None: ``activations_mode()``)."""
+    """QuantRows -> the kernel's panel layout (Q4_0 as q4_1, Q5_0 as q5_1, the K-quants in their
+    own; the last panel zero-padded), for ``activations`` int8 or fp32 (None: ``activations_mode()``)."""
     if activations not in (None, *ACTIVATIONS):
         raise ValueError(f"activations must be one of {'|'.join(ACTIVATIONS)}, got {activations!r}")
     exact = (activations or activations_mode()) == "fp32"
-    if rows.format == "q4_0":
-        rows = to_q4_1(rows)
+    rows = to_offset_form(rows)
     blocks = rows.blocks()  # [N, nb, bytes]
     n, nb, _ = blocks.shape
     num_panels = -(-n // LANES)
@@ -85,16 +84,34 @@ def pack(rows: QuantRows, activations: str | None = None) -> PackedQuant:
     if rows.format in ("q4_k", "q6_k"):
         panel = _q4_k_panels(per_lane) if rows.format == "q4_k" else _q6_k_panels(per_lane)
         return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS[rows.format], exact)
+    fifth_bits = None
     if rows.format == "q8_0":
         header, quants = per_lane[..., :2], per_lane[..., 2:]  # d | 32 q
+    elif rows.format == "q5_1":
+        header, quants = per_lane[..., :4], per_lane[..., 8:]  # d m | qh | 16 bytes
+        fifth_bits = _fifth_bits(per_lane[..., 4:8])
     else:
         header, quants = per_lane[..., :4], per_lane[..., 4:]  # d m | 16 bytes
     # header: per lane (d[, m]) -> d for every lane, then m for every lane
     header = header.reshape(num_panels, nb, LANES, -1, 2).transpose(0, 1, 3, 2, 4)
     # quants: per lane 16 or 32 bytes -> groups of 4 bytes, each group's lanes side by side
     quants = quants.reshape(num_panels, nb, LANES, -1, 4).transpose(0, 1, 3, 2, 4)  # [P, nb, group, lane, 4]
-    panel = np.concatenate([header.reshape(num_panels, nb, -1), quants.reshape(num_panels, nb, -1)], axis=2)
+    parts = [header.reshape(num_panels, nb, -1), quants.reshape(num_panels, nb, -1)]
+    if fifth_bits is not None:
+        parts.append(fifth_bits.reshape(num_panels, nb, -1))
+    panel = np.concatenate(parts, axis=2)
     return PackedQuant(torch.from_numpy(np.ascontiguousarray(panel)), n, FORMAT_IDS[rows.format], exact)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5 qh [..., 4] (bit i: input i's fifth bit, little-endian) -> one word per lane whose
+    byte t holds in bit 2g input 4g + t's and in bit 2g + 1 input 16 + 4g + t's (g = 0..3)."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")  # [..., 32]: input i
+    word = np.zeros((*qh.shape[:-1], 4), dtype=np.uint8)
+    for g in range(4):
+        for t in range(4):
+            word[..., t] |= (bits[..., 4 * g + t] << (2 * g)) | (bits[..., 16 + 4 * g + t] << (2 * g + 1))
+    return word
 
 
 def _q4_k_panels(per_lane: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Dequantize-in-kernel GEMV/GEMM in Triton for GGUF blocks (Q8_0, 4-bit, Q4_K, Q6_K; kernels.quant).
+"""Dequantize-in-kernel GEMV/GEMM in Triton for GGUF blocks (Q8_0, 4-, 5-bit, Q4_K, Q6_K; kernels.quant).
 
     handle = pack(rows, device)        # QuantRows -> TritonQuant: quants, scales, offsets on device
     y = quant_linear(x, handle)        # x [M, in] fp32 -> [M, out] fp32
@@ -28,7 +28,7 @@ import torch
 
 from kernels._checks import check_tensor
 from kernels._triton import check_launchable, tl, triton
-from kernels.quant import BLOCK, BLOCK_VALUES, QuantRows, q4_k_scales, q6_k_parts, to_q4_1
+from kernels.quant import BLOCK, BLOCK_VALUES, QuantRows, block_codes, q4_k_scales, q6_k_parts, to_offset_form
 
 BLOCK_N, BLOCK_K = 16, 64
 
@@ -64,9 +64,11 @@ def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
         sc = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8).reshape(n, nb * 16))
         return TritonQuant(codes.to(torch.int8).to(device), d.to(device), d.to(device), False, sc.to(device),
                            six_bit=True)
+    if rows.format in ("q5_0", "q5_1"):
+        return _pack_q5(to_offset_form(rows), device)
     four_bit = rows.format != "q8_0"
     if four_bit:
-        rows = to_q4_1(rows)
+        rows = to_offset_form(rows)
     blocks = np.array(rows.blocks())  # a copy: the file map is read-only
     n, nb, _ = blocks.shape
     d = torch.from_numpy(blocks[:, :, :2].copy()).view(torch.float16).reshape(n, nb)
@@ -77,6 +79,16 @@ def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
         m = torch.zeros(n, nb, dtype=torch.float16)
         qs = torch.from_numpy(blocks[:, :, 2:].reshape(n, nb * 32).copy()).view(torch.int8)
     return TritonQuant(qs.to(device), d.to(device), m.to(device), four_bit)
+
+
+def _pack_q5(rows: QuantRows, device: torch.device | str) -> TritonQuant:
+    """q5_1 rows: the 5-bit codes as int8 per input (``qs``), d and m per block of 32."""
+    blocks = np.array(rows.blocks())  # [out, nb, 24]
+    n, nb, _ = blocks.shape
+    d = torch.from_numpy(blocks[:, :, 0:2].copy()).view(torch.float16).reshape(n, nb)
+    m = torch.from_numpy(blocks[:, :, 2:4].copy()).view(torch.float16).reshape(n, nb)
+    qs = block_codes(rows).reshape(n, nb * BLOCK).to(torch.int8)
+    return TritonQuant(qs.to(device), d.to(device), m.to(device), False)
 
 
 def _pack_q4_k(rows: QuantRows, device: torch.device | str) -> TritonQuant:

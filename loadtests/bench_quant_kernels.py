@@ -1,4 +1,4 @@
-"""The compiled quantized matmul per block format (Q8_0, Q4_1, Q4_K, Q6_K) at batch-1 decode shapes,
+"""The compiled quantized matmul per block format (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K) at batch-1 decode shapes,
 against the streaming-read bandwidth measured in the same run.
 
     python -m loadtests.bench_quant_kernels [--shape 1536x2304] [--weights 30] [--repeats 30]
@@ -25,7 +25,7 @@ from kernels.quant_cpu import pack, quant_linear
 from kernels.timing import best_seconds
 from loadtests.bench_engine import memcpy_bandwidth, torch_threads
 
-FORMATS = ("q8_0", "q4_1", "q4_k", "q6_k")
+FORMATS = ("q8_0", "q4_1", "q5_0", "q4_k", "q6_k")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,8 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp reorders Q/K rows for these; qwen2 is written as is
 
 _BLOCK_FORMATS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4_0",
-                  GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q4_K: "q4_k",
+                  GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
+                  GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
                   GGMLQuantizationType.Q6_K: "q6_k"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -61,9 +62,9 @@ def load_gguf_with_blocks(path: str | Path) -> tuple[ModelConfig, dict[str, torc
 
 
 def gguf_blocks(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, QuantRows]:
-    """The matrices stored in a block format the quantized kernels read (Q8_0, Q4_0/1, Q4_K, Q6_K), HF
-    named, rows in HF order (Q/K rows reordered as whole rows of blocks, which are along the
-    inputs); the bytes stay views of the mapped file where no reordering is needed."""
+    """The matrices stored in a block format the quantized kernels read (Q8_0, Q4_0/1, Q5_0/1, Q4_K,
+    Q6_K), HF named, rows in HF order (Q/K rows reordered as whole rows of blocks, which are along
+    the inputs); the bytes stay views of the mapped file where no reordering is needed."""
     arch = gguf_file.metadata["general.architecture"]
     blocks: dict[str, QuantRows] = {}
     for tensor in gguf_file.tensors:

@@ -2,10 +2,10 @@
 
     plan = plan_quantized(config, weights, stored, "q4")   # name -> QuantRows, or None for fp32
 
-``stored`` holds the GGUF file's own blocks (``gguf_loader.gguf_blocks``: Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
-tensors, HF-named, Q/K rows in HF order); ``weights`` the same model dequantized to fp32. The
-plan covers every layer matmul weight and the LM head (``HEAD``; the embedding's blocks when
-the embedding is tied). Formats:
+``stored`` holds the GGUF file's own blocks (``gguf_loader.gguf_blocks``: Q8_0, Q4_0/Q4_1,
+Q5_0/Q5_1, Q4_K, Q6_K tensors, HF-named, Q/K rows in HF order); ``weights`` the same model
+dequantized to fp32. The plan covers every layer matmul weight and the LM head (``HEAD``; the
+embedding's blocks when the embedding is tied). Formats:
 
     fp32   no plan: the fp32 weights, as before
     q8_0   every weight in Q8_0: stored Q8_0 blocks as they are, the rest quantized from fp32
@@ -19,8 +19,8 @@ the embedding is tied). Formats:
 The model fuses q/k/v and gate/up into one matmul each, which needs one kernel layout per group
 (``kernels.quant.kernel_format``: Q4_0 and Q4_1 share one). A group whose stored blocks differ
 (a Q4_K_M file's Q6_K v beside Q4_K q and k) is quantized from fp32 as a whole, to the
-format's target (Q4_1 for q4, else Q8_0). Under q4 a Q6_K layer weight is quantized to Q4_1
-(q4 means 4-bit layers); a Q6_K head is kept.
+format's target (Q4_1 for q4, else Q8_0). Under q4 a Q5 or Q6_K layer weight is quantized to
+Q4_1 (q4 means 4-bit layers); the head keeps any stored format.
 
 Quantizing from fp32 rounds as llama.cpp's reference quantizer does (``kernels.quant.quantize``);
 a weight taken as stored keeps the file's exact values, so q4 on a Q4_1 file computes with the

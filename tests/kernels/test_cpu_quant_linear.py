@@ -1,4 +1,4 @@
-"""The compiled quantized linear (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) against its exact reference and
+"""The compiled quantized linear (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) against its exact reference and
 against dequantize-then-matmul in float64. (The K-quants have 256 inputs per block: their cases
 take 8x the inputs where a shape is not a multiple of 256.)
 
@@ -38,7 +38,7 @@ from kernels.quant import (
     quant_linear_int8_ref,
     quantize,
     quantize_activations_ref,
-    to_q4_1,
+    to_offset_form,
 )
 
 try:
@@ -49,7 +49,8 @@ except CpuKernelsUnavailable as exc:
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
         "q4_1": GGMLQuantizationType.Q4_1, "q4_k": GGMLQuantizationType.Q4_K,
-        "q6_k": GGMLQuantizationType.Q6_K}
+        "q6_k": GGMLQuantizationType.Q6_K, "q5_0": GGMLQuantizationType.Q5_0,
+        "q5_1": GGMLQuantizationType.Q5_1}
 
 
 def _k(fmt, k):
@@ -90,11 +91,12 @@ def test_dequantize_matches_gguf_bit_for_bit(fmt):
     assert torch.equal(dequantize(rows), torch.from_numpy(np.array(theirs, dtype=np.float32)))
 
 
-def test_q4_0_becomes_q4_1_exactly_and_fused_rows_keep_their_values():
-    a, b = _rows(5, 64, "q4_0"), _rows(3, 64, "q4_1", seed=2)
-    assert torch.equal(dequantize(to_q4_1(a)), dequantize(a))
+@pytest.mark.parametrize("fmt", ["q4", "q5"])
+def test_the_offset_free_formats_become_offset_form_exactly_and_fused_rows_keep_their_values(fmt):
+    a, b = _rows(5, 64, f"{fmt}_0"), _rows(3, 64, f"{fmt}_1", seed=2)
+    assert to_offset_form(a).format == f"{fmt}_1" and torch.equal(dequantize(to_offset_form(a)), dequantize(a))
     fused = cat_rows([a, b])
-    assert fused.format == "q4_1"
+    assert fused.format == f"{fmt}_1"
     assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
 
 

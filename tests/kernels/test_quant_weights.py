@@ -89,20 +89,31 @@ def _k_quant_file(tmp_path, **types):
     return load_model(str(path))
 
 
-def test_a_k_quant_file_is_served_from_its_own_blocks(tmp_path, monkeypatch):
-    """The loader keeps Q4_K and Q6_K blocks (Q/K rows back in HF order) whose values are the
-    fp32 weights; auto serves them all as stored, q4 the Q4_K ones (Q6_K layers to Q4_1, the
-    Q6_K head kept); the compiled kernels on them (fp32 activations: the exact values) give the
-    fp32 model's hidden states and logits within fp32 rounding."""
-    loaded = _k_quant_file(tmp_path)
+# llama.cpp's Q4_K_M mix, and its mix for rows whose width is not a multiple of 256 (Q5_0 instead)
+LAYOUTS = {"Q4_K_M": {}, "Q4_K_M with Q5_0 fallbacks": {k: T.Q5_0 for k in LINEAR_KINDS if k != "ffn_down"}
+           | {"attn_k": T.Q5_1}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_k_quant_file_is_served_from_its_own_blocks(tmp_path, monkeypatch, layout):
+    """The loader keeps Q4_K, Q6_K and Q5 blocks (Q/K rows back in HF order) whose values are
+    the fp32 weights; auto serves them all as stored, q4 the Q4_K ones (the others to Q4_1, a
+    stored head kept); the compiled kernels on them (fp32 activations: the exact values) give
+    the fp32 model's hidden states and logits within fp32 rounding."""
+    loaded = _k_quant_file(tmp_path, **LAYOUTS[layout])
     config, weights, blocks = loaded.config, loaded.weights, loaded.blocks
+    kinds = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     for name in [*linear_weight_names(config), HEAD]:
-        assert blocks[name].format == ("q6_k" if "down" in name or name == HEAD else "q4_k"), name
+        kind = "output" if name == HEAD else kinds[name.split(".")[-2]]
+        stored = LAYOUTS[layout].get(kind, T.Q6_K if kind in ("ffn_down", "output") else T.Q4_K)
+        assert blocks[name].format == stored.name.lower(), name
         assert torch.equal(dequantize(blocks[name]), weights[name]), name
     plan = plan_quantized(config, weights, blocks, "auto")
     assert all(plan[name] is blocks[name] for name in [*linear_weight_names(config), HEAD])
     q4 = plan_quantized(config, weights, blocks, "q4")
-    assert {q4[n].format for n in linear_weight_names(config)} == {"q4_k", "q4_1"} and q4[HEAD] is blocks[HEAD]
+    assert all(q4[n] is blocks[n] if blocks[n].format == "q4_k" else q4[n].format == "q4_1"
+               for n in linear_weight_names(config)) and q4[HEAD] is blocks[HEAD]
     monkeypatch.setenv("PDSERVE_CPU_QUANT_ACTIVATIONS", "fp32")
     quantized = LlamaForCausalLM(config, weights, compiled_ops(), quant_plan=plan)
     assert quantized.stack is not None  # the decode path: the compiled stack on K-quant panels

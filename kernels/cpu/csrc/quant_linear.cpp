@@ -43,8 +43,8 @@ void check_weight(const char* op, const at::Tensor& packed, int64_t K, int64_t o
                         (prefetch_next->scalar_type() == at::kByte && prefetch_next->dim() == 3 &&
                          prefetch_next->is_contiguous()),
                     op, ": prefetch_next must be a contiguous uint8 [P, num_blocks, block bytes] tensor");
-  TORCH_CHECK_VALUE(format == kQ8_0 || format == kQ4 || format == kQ4K || format == kQ6K, op,
-                    ": format must be 0 (q8_0), 1 (q4), 2 (q4_k) or 3 (q6_k), got ", format);
+  TORCH_CHECK_VALUE(format >= kQ8_0 && format <= kQ5, op,
+                    ": format must be 0 (q8_0), 1 (q4), 2 (q4_k), 3 (q6_k) or 4 (q5), got ", format);
   const int64_t bb = format_block_bytes(format);
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == bb &&
                         packed.is_contiguous(),

@@ -22,6 +22,7 @@
 // one block of a panel is
 //     4-bit: d [kLanes] fp16 | m [kLanes] fp16 | qs [4][kLanes][4] u8    (20 * kLanes bytes)
 //     Q8_0:  d [kLanes] fp16 | qs [8][kLanes][4] i8                      (34 * kLanes bytes)
+//     5-bit: the 4-bit block, then one word per lane of fifth bits        (24 * kLanes bytes)
 //     Q4_K:  d [kLanes] fp16 | dmin [kLanes] fp16 | sc [8][kLanes] u8 | mn [8][kLanes] u8 |
 //            8 x qs [4][kLanes][4] u8 (one per sub-block of 32)          (148 * kLanes bytes)
 //     Q6_K:  d [kLanes] fp16 | sc [16][kLanes] i8 (per 16 inputs) | 8 x (low 4 bits of 32 inputs
@@ -64,11 +65,12 @@ constexpr int kRows = 4;     // 32 zmm: 2 * 4 * 2 int sums + 4 * 2 fp32 sums + w
 #else
 constexpr int kRows = 2;     // 16 ymm
 #endif
-enum Format : int64_t { kQ8_0 = 0, kQ4 = 1, kQ4K = 2, kQ6K = 3 };
+enum Format : int64_t { kQ8_0 = 0, kQ4 = 1, kQ4K = 2, kQ6K = 3, kQ5 = 4 };
 
 template <int F>
 constexpr int64_t block_bytes() {
-  return F == kQ4 ? 20 * kLanes : F == kQ4K ? 148 * kLanes : F == kQ6K ? 210 * kLanes : 34 * kLanes;
+  return F == kQ4 ? 20 * kLanes : F == kQ5 ? 24 * kLanes : F == kQ4K ? 148 * kLanes : F == kQ6K ? 210 * kLanes
+                                                                                                : 34 * kLanes;
 }
 
 // Inputs per block of a format (the K-quants: super-blocks of 256).
@@ -76,6 +78,7 @@ inline int64_t block_inputs(int64_t format) { return format == kQ4K || format ==
 
 inline int64_t format_block_bytes(int64_t format) {
   return format == kQ4    ? block_bytes<kQ4>()
+         : format == kQ5  ? block_bytes<kQ5>()
          : format == kQ4K ? block_bytes<kQ4K>()
          : format == kQ6K ? block_bytes<kQ6K>()
                           : block_bytes<kQ8_0>();
@@ -93,6 +96,12 @@ template <int S>
 inline ivec with_high2(ivec low4, ivec h) {
   return _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, S), _mm512_set1_epi8(3)), 4));
 }
+// Q5: per byte, a 4-bit value | bit S of h's same byte, shifted to bit 4; h >> 2 per 16 bits
+template <int S>
+inline ivec with_high1(ivec low4, ivec h) {
+  return _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, S), _mm512_set1_epi8(1)), 4));
+}
+inline ivec shift_right2(ivec h) { return _mm512_srli_epi16(h, 2); }
 inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline ivec high_nibbles(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline vfloat to_float(ivec v) { return (vfloat)_mm512_cvtepi32_ps(v); }
@@ -126,6 +135,11 @@ template <int S>
 inline ivec with_high2(ivec low4, ivec h) {
   return _mm256_or_si256(low4, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, S), _mm256_set1_epi8(3)), 4));
 }
+template <int S>
+inline ivec with_high1(ivec low4, ivec h) {
+  return _mm256_or_si256(low4, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, S), _mm256_set1_epi8(1)), 4));
+}
+inline ivec shift_right2(ivec h) { return _mm256_srli_epi16(h, 2); }
 inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 inline ivec high_nibbles(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline vfloat to_float(ivec v) { return (vfloat)_mm256_cvtepi32_ps(v); }
@@ -148,6 +162,9 @@ inline ivec iadd(ivec a, ivec b) { return a + b; }
 inline ivec isub(ivec a, ivec b) { return a - b; }
 template <int S>
 inline ivec with_high2(ivec low4, ivec h) { return low4 | (((h >> S) & 0x03030303) << 4); }
+template <int S>
+inline ivec with_high1(ivec low4, ivec h) { return low4 | (((h >> S) & 0x01010101) << 4); }
+inline ivec shift_right2(ivec h) { return h >> 2; }
 inline ivec low_nibbles(ivec v) { return v & 0x0f0f0f0f; }
 inline ivec high_nibbles(ivec v) { return (v >> 4) & 0x0f0f0f0f; }
 inline vfloat to_float(ivec v) { return __builtin_convertvector(v, vfloat); }
@@ -268,27 +285,38 @@ inline vint lane_byte(vint v) {
 }
 
 // The exact (fp32 x) block sums: lo/hi[r][j] += x * w over the block's two halves of inputs;
-// qs[j]: panel j's quants of 32-input block b (F: kQ4 or kQ8_0, the quants' layout).
+// qs[j]: panel j's quants of 32-input block b (F: kQ4, kQ5 or kQ8_0, the quants' layout; kQ5's
+// fifth bits follow its nibbles: one word per lane, bits 2g / 2g + 1 of byte t for inputs 4g + t
+// and 16 + 4g + t).
 template <int F, int R, int NP>
 void exact_block(const Rows& rows, int64_t b, const unsigned char* const* qs, vfloat (&lo)[R][NP],
                  vfloat (&hi)[R][NP]) {
   constexpr int64_t G = 4 * kLanes;
   const float* xb = rows.x + b * kBlock;
+  vint high[NP];
+  if constexpr (F == kQ5)
+    for (int j = 0; j < NP; ++j) std::memcpy(&high[j], qs[j] + 4 * G, sizeof(vint));
   auto group = [&](auto t_const, const vint* raw, int g) {
     constexpr int T = decltype(t_const)::value;
     vfloat w0[NP], w1[NP];
     for (int j = 0; j < NP; ++j) {
-      if constexpr (F == kQ4) {
+      if constexpr (F == kQ4 || F == kQ5) {
         const vint pair = lane_byte<T, false>(raw[j]);
-        w0[j] = __builtin_convertvector(pair & 15, vfloat);  // input 4 g + T
-        w1[j] = __builtin_convertvector(pair >> 4, vfloat);  // input 16 + 4 g + T
+        vint q0 = pair & 15, q1 = pair >> 4;  // inputs 4 g + T, 16 + 4 g + T
+        if constexpr (F == kQ5) {
+          const vint h = lane_byte<T, false>(high[j]);
+          q0 |= ((h >> (2 * g)) & 1) << 4;
+          q1 |= ((h >> (2 * g + 1)) & 1) << 4;
+        }
+        w0[j] = __builtin_convertvector(q0, vfloat);
+        w1[j] = __builtin_convertvector(q1, vfloat);
       } else {
         w0[j] = __builtin_convertvector(lane_byte<T, true>(raw[j]), vfloat);  // input 4 g + T
       }
     }
     for (int r = 0; r < R; ++r) {
       const float* xr = xb + r * rows.x_stride;
-      if constexpr (F == kQ4) {
+      if constexpr (F == kQ4 || F == kQ5) {
         const vfloat x0 = vsplat(xr[4 * g + T]), x1 = vsplat(xr[16 + 4 * g + T]);
         for (int j = 0; j < NP; ++j) {
           lo[r][j] += x0 * w0[j];
@@ -300,7 +328,7 @@ void exact_block(const Rows& rows, int64_t b, const unsigned char* const* qs, vf
       }
     }
   };
-  const int groups = F == kQ4 ? 4 : 8;
+  const int groups = F == kQ8_0 ? 8 : 4;
   for (int g = 0; g < groups; ++g) {
     vint raw[NP];
     for (int j = 0; j < NP; ++j) std::memcpy(&raw[j], qs[j] + g * G, sizeof(vint));
@@ -335,20 +363,29 @@ inline void block_sums(const Rows& rows, int64_t b, const unsigned char* const* 
     ivec lo[R][NP], hi[R][NP];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NP; ++j) lo[r][j] = hi[r][j] = isplat(0);
-    if constexpr (F == kQ4) {
+    if constexpr (F == kQ4 || F == kQ5) {
+      ivec high[NP];  // kQ5: the fifth bits, shifted right by 2 per group (bits 2g, 2g + 1 of each byte)
+      if constexpr (F == kQ5)
+        for (int j = 0; j < NP; ++j) high[j] = iload(qs[j] + 4 * G);
       for (int g = 0; g < 4; ++g) {
         ivec wl[NP], wh[NP];
         for (int j = 0; j < NP; ++j) {
           const ivec raw = iload(qs[j] + g * G);
           wl[j] = low_nibbles(raw);
           wh[j] = high_nibbles(raw);
+          if constexpr (F == kQ5) {
+            wl[j] = with_high1<0>(wl[j], high[j]);
+            wh[j] = with_high1<1>(wh[j], high[j]);
+            high[j] = shift_right2(high[j]);
+          }
         }
         for (int r = 0; r < R; ++r) {
           const ivec xl = xsplat(xb + r * K + 4 * g), xh = xsplat(xb + r * K + 16 + 4 * g);
           for (int j = 0; j < NP; ++j) {
-            lo[r][j] = dot_q4(lo[r][j], wl[j], xl);
+            // 5-bit codes: int32 sums (dot_q4's int16 ones could overflow without VNNI)
+            lo[r][j] = F == kQ5 ? dot_u8(lo[r][j], wl[j], xl) : dot_q4(lo[r][j], wl[j], xl);
             ivec& h = kSplitSums ? hi[r][j] : lo[r][j];
-            h = dot_q4(h, wh[j], xh);
+            h = F == kQ5 ? dot_u8(h, wh[j], xh) : dot_q4(h, wh[j], xh);
           }
         }
       }
@@ -536,12 +573,12 @@ void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out,
       }
       continue;
     }
-    for (int j = 0; j < NP; ++j) qs[j] = blk[j] + (F == kQ4 ? 4 : 2) * kLanes;
+    for (int j = 0; j < NP; ++j) qs[j] = blk[j] + (F == kQ8_0 ? 2 : 4) * kLanes;
     block_sums<F, Exact, R, NP>(rows, wb, qs, sums);
     for (int j = 0; j < NP; ++j) {
       const vfloat d = vload_half(blk[j]);
       for (int r = 0; r < R; ++r) acc[r][j] += d * sums[r][j];
-      if constexpr (F == kQ4) {
+      if constexpr (F == kQ4 || F == kQ5) {
         const vfloat m = vload_half(blk[j] + 2 * kLanes);
         for (int r = 0; r < R; ++r) acc[r][j] += m * vsplat(rows.xsum[r * nb + wb]);
       }
@@ -587,6 +624,9 @@ inline void multiply_items(const Rows& rows, int64_t M, const unsigned char* wp,
       if (format == kQ4) {
         if (exact) rows_tile<kQ4, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         else rows_tile<kQ4, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
+      } else if (format == kQ5) {
+        if (exact) rows_tile<kQ5, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
+        else rows_tile<kQ5, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
       } else if (format == kQ4K) {
         if (exact) rows_tile<kQ4K, true>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
         else rows_tile<kQ4K, false>(num_rows, at_m, wp, item * kPanels, P, o, N, N);
