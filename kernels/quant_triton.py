@@ -21,6 +21,7 @@ under ``TRITON_INTERPRET=1`` (small shapes).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,55 +55,55 @@ class TritonQuant:
 
 def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
     """Split ``rows`` into quants, scales and offsets on ``device``."""
-    if rows.format == "q4_k":
-        return _pack_q4_k(rows, device)
-    if rows.format == "q6_k":
-        blocks = np.array(rows.blocks())  # [out, nb, 210]
-        n, nb, _ = blocks.shape
-        _, codes = q6_k_parts(rows)
-        d = torch.from_numpy(blocks[:, :, 208:210].copy()).view(torch.float16).reshape(n, nb)
-        sc = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8).reshape(n, nb * 16))
-        return TritonQuant(codes.to(torch.int8).to(device), d.to(device), d.to(device), False, sc.to(device),
-                           six_bit=True)
-    if rows.format in ("q5_0", "q5_1"):
-        return _pack_q5(to_offset_form(rows), device)
+    packers = {"q4_k": _pack_q4_k, "q6_k": _pack_q6_k, "q5_0": _pack_q5, "q5_1": _pack_q5}
+    handle = packers.get(rows.format, _pack_q8_0_or_4_bit)(rows)
+    fields = (getattr(handle, f.name) for f in dataclasses.fields(handle))  # astuple would deep-copy
+    return TritonQuant(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in fields))
+
+
+def _fp16(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """The fp16 at bytes offset, offset + 1 of every block of [out, nb, bytes] -> [out, nb]."""
+    return torch.from_numpy(blocks[:, :, offset:offset + 2].copy()).view(torch.float16)[:, :, 0]
+
+
+def _pack_q8_0_or_4_bit(rows: QuantRows) -> TritonQuant:
     four_bit = rows.format != "q8_0"
-    if four_bit:
-        rows = to_offset_form(rows)
-    blocks = np.array(rows.blocks())  # a copy: the file map is read-only
+    blocks = np.array(to_offset_form(rows).blocks())  # a copy: the file map is read-only
     n, nb, _ = blocks.shape
-    d = torch.from_numpy(blocks[:, :, :2].copy()).view(torch.float16).reshape(n, nb)
     if four_bit:
-        m = torch.from_numpy(blocks[:, :, 2:4].copy()).view(torch.float16).reshape(n, nb)
         qs = torch.from_numpy(blocks[:, :, 4:].reshape(n, nb * 16).copy())
-    else:
-        m = torch.zeros(n, nb, dtype=torch.float16)
-        qs = torch.from_numpy(blocks[:, :, 2:].reshape(n, nb * 32).copy()).view(torch.int8)
-    return TritonQuant(qs.to(device), d.to(device), m.to(device), four_bit)
+        return TritonQuant(qs, _fp16(blocks, 0), _fp16(blocks, 2), True)
+    qs = torch.from_numpy(blocks[:, :, 2:].reshape(n, nb * 32).copy()).view(torch.int8)
+    return TritonQuant(qs, _fp16(blocks, 0), torch.zeros(n, nb, dtype=torch.float16), False)
 
 
-def _pack_q5(rows: QuantRows, device: torch.device | str) -> TritonQuant:
-    """q5_1 rows: the 5-bit codes as int8 per input (``qs``), d and m per block of 32."""
+def _pack_q5(rows: QuantRows) -> TritonQuant:
+    """The 5-bit codes as int8 per input (``qs``), d and m per block of 32 (Q5_0: m = -16 d)."""
+    rows = to_offset_form(rows)
     blocks = np.array(rows.blocks())  # [out, nb, 24]
+    qs = block_codes(rows).reshape(rows.out_features, -1).to(torch.int8)
+    return TritonQuant(qs, _fp16(blocks, 0), _fp16(blocks, 2), False)
+
+
+def _pack_q6_k(rows: QuantRows) -> TritonQuant:
+    """The codes q - 32 as int8 per input, d per 256 inputs, the int8 scales per 16."""
+    blocks = np.array(rows.blocks())  # [out, nb, 210]
     n, nb, _ = blocks.shape
-    d = torch.from_numpy(blocks[:, :, 0:2].copy()).view(torch.float16).reshape(n, nb)
-    m = torch.from_numpy(blocks[:, :, 2:4].copy()).view(torch.float16).reshape(n, nb)
-    qs = block_codes(rows).reshape(n, nb * BLOCK).to(torch.int8)
-    return TritonQuant(qs.to(device), d.to(device), m.to(device), False)
+    _, codes = q6_k_parts(rows)
+    sc = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8).reshape(n, nb * 16))
+    d = _fp16(blocks, 208)
+    return TritonQuant(codes.to(torch.int8), d, d, False, sc, six_bit=True)
 
 
-def _pack_q4_k(rows: QuantRows, device: torch.device | str) -> TritonQuant:
+def _pack_q4_k(rows: QuantRows) -> TritonQuant:
     blocks = np.array(rows.blocks())  # [out, nb, 144]
     n, nb, _ = blocks.shape
-    d = torch.from_numpy(blocks[:, :, 0:2].copy()).view(torch.float16).reshape(n, nb)
-    dmin = torch.from_numpy(blocks[:, :, 2:4].copy()).view(torch.float16).reshape(n, nb)
     sc, mn = q4_k_scales(blocks[:, :, 4:16])  # [out, nb, 8]
     chunks = blocks[:, :, 16:].reshape(n, nb, 4, 32)  # chunk c: sub-block 2c low nibbles, 2c + 1 high
     values = np.stack([chunks & 15, chunks >> 4], axis=3).reshape(n, nb * 8, 32)
     qs = (values[:, :, :16] | (values[:, :, 16:] << 4)).reshape(n, nb * 8 * 16)
-    return TritonQuant(torch.from_numpy(qs).to(device), d.to(device), dmin.to(device), True,
-                       torch.from_numpy(sc.reshape(n, nb * 8)).to(device),
-                       torch.from_numpy(mn.reshape(n, nb * 8)).to(device))
+    return TritonQuant(torch.from_numpy(qs), _fp16(blocks, 0), _fp16(blocks, 2), True,
+                       torch.from_numpy(sc.reshape(n, nb * 8)), torch.from_numpy(mn.reshape(n, nb * 8)))
 
 
 @triton.jit
