@@ -1,7 +1,7 @@
 """Weights in GGUF block formats, and the pure-torch reference of the quantized linear.
 
 A ``QuantRows`` is an ``[out, in]`` matrix (HF's Linear layout) whose rows are stored as the
-GGUF file stores them: blocks of 32 values per row (256 for the K-quant), each block
+GGUF file stores them: blocks of 32 values per row (256 for the K-quants), each block
 
     q8_0  d fp16 | 32 x int8 q                  value = d * q            (34 bytes)
     q4_0  d fp16 | 16 bytes                     value = d * (q - 8)      (18 bytes)
@@ -13,13 +13,12 @@ GGUF file stores them: blocks of 32 values per row (256 for the K-quant), each b
     q6_k  128 bytes of low 4 bits | 64 bytes of high 2 bits | int8 sc[16] | d fp16
           (256 values, 16 sub-blocks of 16)     value = d * sc[j] * (q - 32)   (210 bytes)
 
-with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q5: bit
-i of qh is input i's fifth bit; q4_k:
-byte i of each 32 holds sub-block 2c's input i and sub-block 2c + 1's input i, llama.cpp's
-order; q6_k: llama.cpp's, ``q6_k_parts``). The kernels serve five layouts: ``q8_0``, ``q4_1``
-for Q4_0/Q4_1 blocks (``to_offset_form`` rewrites a Q4_0 block exactly: m = -8 d), ``q5_1`` for
-Q5_0/Q5_1 (m = -16 d), ``q4_k`` and ``q6_k``. Rows can be reordered and concatenated as bytes,
-so fused matmuls (q/k/v, gate/up) keep the file's blocks.
+with 4-bit byte i holding input i in its low nibble and input i + 16 in its high one (q5: bit i
+of qh is input i's fifth bit; q4_k, q6_k: llama.cpp's orders, ``q4_k_codes`` / ``q6_k_codes``).
+The kernels serve five layouts: ``q8_0``, ``q4_1`` for Q4_0/Q4_1 blocks (``to_offset_form``
+rewrites a Q4_0 block exactly: m = -8 d), ``q5_1`` for Q5_0/Q5_1 (m = -16 d), ``q4_k`` and
+``q6_k``. Rows can be reordered and concatenated as bytes, so fused matmuls (q/k/v, gate/up)
+keep the file's blocks.
 
     rows = QuantRows.from_gguf("q4_1", raw_bytes, in_features)
     w = dequantize(rows)                 # fp32 [out, in], the values HF's loader produces
@@ -243,17 +242,43 @@ def q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def q4_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [..., 144] -> the 4-bit codes uint8 [..., 256], inputs in order (4 chunks of
+    64 inputs, each 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones)."""
+    chunks = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    return np.concatenate([chunks & 15, chunks >> 4], axis=-2).reshape(*blocks.shape[:-1], 256)
+
+
+def q6_k_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [..., 210] -> the 6-bit codes q (0..63, the value's q - 32) uint8 [..., 256],
+    inputs in order (llama.cpp's dequantize_row_q6_K: value 128 h + 32 c + l takes the low
+    nibble of ql[64 h + l + 32 (c % 2)] (the high one for c >= 2) and bits 2c, 2c + 1 of
+    qh[32 h + l])."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 2, 32)  # [half, c % 2, l]
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [half, c, l], c = 0..3
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8).reshape(4, 1))) & 3
+    return (low | (high << 4)).reshape(*lead, 256)
+
+
+def nibble_pairs(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes uint8 [..., 32 k] -> the 4-bit layout [..., 16 k]: per 32 inputs, byte i holds
+    input i in its low nibble and input 16 + i in its high one (the file's Q4_0/Q4_1 order)."""
+    blocks = codes.reshape(*codes.shape[:-1], -1, 2, 16)
+    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*codes.shape[:-1], -1)
+
+
 def q4_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K rows as 32-input sub-blocks: (scale d * sc, offset -dmin * mn) float64 [out, in / 32]
     (both exact: fp16 times a 6-bit integer) and the 4-bit codes q float64 [out, in], inputs
     in order; a value is scale * q + offset."""
     blocks = np.array(rows.blocks())  # [out, nb, 144]
-    n, nb = blocks.shape[:2]
+    n = blocks.shape[0]
     d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)  # [out, nb, 1]
     dmin = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)
     sc, mn = q4_k_scales(blocks[:, :, 4:16])
-    qs = blocks[:, :, 16:].reshape(n, nb, 4, 32)  # 4 chunks of 64 inputs: low nibbles, then high
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, rows.in_features)
+    q = q4_k_codes(blocks).reshape(n, rows.in_features)
     scale = (d * sc).reshape(n, -1)
     offset = -(dmin * mn).reshape(n, -1)
     return torch.from_numpy(scale), torch.from_numpy(offset), torch.from_numpy(q.astype(np.float64))
@@ -261,19 +286,14 @@ def q4_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def q6_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K rows as 16-input sub-blocks: the scale d * sc float64 [out, in / 16] and the codes
-    q - 32 float64 [out, in], inputs in order (llama.cpp's dequantize_row_q6_K: value 128 h +
-    32 c + l takes the low nibble of ql[64 h + l + 32 (c % 2)] (high nibble for c >= 2) and bits
-    2c, 2c + 1 of qh[32 h + l]); a value is scale * code, exact in fp32."""
+    q - 32 float64 [out, in], inputs in order (``q6_k_codes``); a value is scale * code, exact
+    in fp32."""
     blocks = np.array(rows.blocks())  # [out, nb, 210]
-    n, nb = blocks.shape[:2]
-    ql = blocks[:, :, 0:128].reshape(n, nb, 2, 2, 32)  # [half, c % 2, l]
-    qh = blocks[:, :, 128:192].reshape(n, nb, 2, 1, 32)
-    low = np.concatenate([ql & 15, ql >> 4], axis=3)  # [half, c, l], c = 0..3
-    high = (qh >> (2 * np.arange(4).reshape(1, 1, 1, 4, 1))) & 3
-    codes = ((low | (high << 4)).astype(np.int64) - 32).reshape(n, rows.in_features)
+    n = blocks.shape[0]
+    codes = q6_k_codes(blocks).astype(np.float64).reshape(n, rows.in_features) - 32
     sc = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float64)  # [out, nb, 16]
     d = blocks[:, :, 208:210].copy().view(np.float16).astype(np.float64)
-    return torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(codes.astype(np.float64))
+    return torch.from_numpy((d * sc).reshape(n, -1)), torch.from_numpy(codes)
 
 
 def pack_quant_ref(rows: QuantRows) -> torch.Tensor:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kernels.cpu import library
-from kernels.quant import BLOCK_VALUES, QuantRows, q4_k_scales, q6_k_parts, to_offset_form
+from kernels.quant import BLOCK_VALUES, QuantRows, nibble_pairs, q4_k_codes, q4_k_scales, q6_k_codes, to_offset_form
 
 _ops = library("quant_linear")
 _quant_linear = _ops.quant_linear.default
@@ -117,13 +117,11 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 def _q4_k_panels(per_lane: np.ndarray) -> np.ndarray:
     """Q4_K super-blocks [P, nb, L, 144] -> the kernel's [P, nb, 148 L]: d and dmin per lane, the
     6-bit scales and mins a byte each ([8][L] apiece), and per sub-block of 32 its 16 bytes in the
-    4-bit layout (byte i: input i low, input 16 + i high), in groups of 4 per lane."""
+    4-bit layout (``kernels.quant.nibble_pairs``), in groups of 4 per lane."""
     p, nb, lanes, _ = per_lane.shape
     d, dmin = per_lane[..., 0:2], per_lane[..., 2:4]
     sc, mn = q4_k_scales(per_lane[..., 4:16])  # [P, nb, L, 8]
-    chunks = per_lane[..., 16:].reshape(p, nb, lanes, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
-    values = np.stack([chunks & 15, chunks >> 4], axis=4).reshape(p, nb, lanes, 8, 32)
-    packed = values[..., :16] | (values[..., 16:] << 4)  # [P, nb, L, 8, 16]
+    packed = nibble_pairs(q4_k_codes(per_lane))  # [P, nb, L, 128]
     quants = packed.reshape(p, nb, lanes, 8, 4, 4).transpose(0, 1, 3, 4, 2, 5)  # [P, nb, sub, group, L, 4]
     parts = [d, dmin, sc.transpose(0, 1, 3, 2), mn.transpose(0, 1, 3, 2), quants]
     return np.concatenate([part.reshape(p, nb, -1) for part in parts], axis=2)
@@ -134,12 +132,9 @@ def _q6_k_panels(per_lane: np.ndarray) -> np.ndarray:
     scales ([16][L]), and per block of 32 inputs its low 4 bits in the 4-bit layout ([4][L][4])
     and its high 2 bits as two words per lane (quant_tiles.h's block_sums_q6k)."""
     p, nb, lanes, _ = per_lane.shape
-    flat = np.ascontiguousarray(per_lane).reshape(p * nb * lanes, 1, 210)
-    _, codes = q6_k_parts(QuantRows("q6_k", flat.reshape(-1, 210), 256))
-    q = (codes.numpy().astype(np.int64) + 32).astype(np.uint8).reshape(p, nb, lanes, 8, 32)  # 0..63
-    low, high = q & 15, q >> 4
-    nibbles = (low[..., :16] | (low[..., 16:] << 4)).reshape(p, nb, lanes, 8, 4, 4)  # [.., block, group, t]
-    h = high.reshape(p, nb, lanes, 8, 2, 4, 4)  # [.., block, half, group, t]
+    q = q6_k_codes(per_lane).reshape(p, nb, lanes, 8, 32)  # 0..63
+    nibbles = nibble_pairs(q & 15).reshape(p, nb, lanes, 8, 4, 4)  # [.., block, group, t]
+    h = (q >> 4).reshape(p, nb, lanes, 8, 2, 4, 4)  # [.., block, half, group, t]
     # word w of a block, byte t: inputs 4g + t, 16 + 4g + t for g = 2w (bits 0-3), 2w + 1 (bits 4-7)
     words = (h[:, :, :, :, 0, 0::2] | (h[:, :, :, :, 1, 0::2] << 2)
              | (h[:, :, :, :, 0, 1::2] << 4) | (h[:, :, :, :, 1, 1::2] << 6))  # [.., block, w, t]

@@ -29,7 +29,17 @@ import torch
 
 from kernels._checks import check_tensor
 from kernels._triton import check_launchable, tl, triton
-from kernels.quant import BLOCK, BLOCK_VALUES, QuantRows, block_codes, q4_k_scales, q6_k_parts, to_offset_form
+from kernels.quant import (
+    BLOCK,
+    BLOCK_VALUES,
+    QuantRows,
+    block_codes,
+    nibble_pairs,
+    q4_k_codes,
+    q4_k_scales,
+    q6_k_codes,
+    to_offset_form,
+)
 
 BLOCK_N, BLOCK_K = 16, 64
 
@@ -89,19 +99,17 @@ def _pack_q6_k(rows: QuantRows) -> TritonQuant:
     """The codes q - 32 as int8 per input, d per 256 inputs, the int8 scales per 16."""
     blocks = np.array(rows.blocks())  # [out, nb, 210]
     n, nb, _ = blocks.shape
-    _, codes = q6_k_parts(rows)
+    codes = torch.from_numpy(q6_k_codes(blocks).reshape(n, nb * 256).astype(np.int8) - 32)
     sc = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8).reshape(n, nb * 16))
     d = _fp16(blocks, 208)
-    return TritonQuant(codes.to(torch.int8), d, d, False, sc, six_bit=True)
+    return TritonQuant(codes, d, d, False, sc, six_bit=True)
 
 
 def _pack_q4_k(rows: QuantRows) -> TritonQuant:
     blocks = np.array(rows.blocks())  # [out, nb, 144]
     n, nb, _ = blocks.shape
     sc, mn = q4_k_scales(blocks[:, :, 4:16])  # [out, nb, 8]
-    chunks = blocks[:, :, 16:].reshape(n, nb, 4, 32)  # chunk c: sub-block 2c low nibbles, 2c + 1 high
-    values = np.stack([chunks & 15, chunks >> 4], axis=3).reshape(n, nb * 8, 32)
-    qs = (values[:, :, :16] | (values[:, :, 16:] << 4)).reshape(n, nb * 8 * 16)
+    qs = nibble_pairs(q4_k_codes(blocks)).reshape(n, nb * 128)
     return TritonQuant(torch.from_numpy(qs), _fp16(blocks, 0), _fp16(blocks, 2), True,
                        torch.from_numpy(sc.reshape(n, nb * 8)), torch.from_numpy(mn.reshape(n, nb * 8)))
 

@@ -17,7 +17,7 @@ embedding's blocks when the embedding is tied). Formats:
            are not float32 (the kernels compute in fp32)
 
 The model fuses q/k/v and gate/up into one matmul each, which needs one kernel layout per group
-(``kernels.quant.kernel_format``: Q4_0 and Q4_1 share one). A group whose stored blocks differ
+(``kernels.quant.kernel_format``: Q4_0 and Q4_1 share one, Q5_0 and Q5_1 another). A group whose stored blocks differ
 (a Q4_K_M file's Q6_K v beside Q4_K q and k) is quantized from fp32 as a whole, to the
 format's target (Q4_1 for q4, else Q8_0). Under q4 a Q5 or Q6_K layer weight is quantized to
 Q4_1 (q4 means 4-bit layers); the head keeps any stored format.

@@ -343,8 +343,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // logits: [N, V] (row stride free) -> per row the index of its first maximum, or -1 for a row
 // whose maximum is not finite (a NaN anywhere, or every value -inf, or a +inf): the indices
 // torch.max(logits, dim=-1) returns, where its values are finite. A greedy decode step's
-// sample: torch's max over a 49152-token vocabulary took ~0.1 ms inside the decode loop (its
-// reduction machinery on logits the LM head's threads just wrote), this one pass ~10 us.
+// sample: torch's max over a 49152-token vocabulary took 0.11 ms per token inside the decode
+// loop (its reduction machinery on logits the LM head's threads just wrote; 30 us alone), this
+// pass 0.04 ms there with the Python around it (4.6 us alone; docs/benchmarks.md, issue 18).
 // One thread: the row sits in the caches the LM head wrote it to.
 std::vector<int64_t> row_argmax(const at::Tensor& logits) {
   check_tensor("logits", logits, {-1, -1}, Kind::kFloat32);

@@ -91,15 +91,12 @@ inline ivec iload(const unsigned char* p) { return _mm512_loadu_si512(p); }
 inline ivec isplat(int32_t v) { return _mm512_set1_epi32(v); }
 inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 inline ivec isub(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
-// Q6_K: per byte, a 4-bit value | the 2 bits at bit S of h's same byte, shifted to bits 4-5
-template <int S>
-inline ivec with_high2(ivec low4, ivec h) {
-  return _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, S), _mm512_set1_epi8(3)), 4));
-}
-// Q5: per byte, a 4-bit value | bit S of h's same byte, shifted to bit 4; h >> 2 per 16 bits
-template <int S>
-inline ivec with_high1(ivec low4, ivec h) {
-  return _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, S), _mm512_set1_epi8(1)), 4));
+// Q5 / Q6_K: per byte, a 4-bit value | the Bits bits at bit S of h's same byte, moved to bit 4
+// (h's bits above them are masked off, so 16-bit shifts do not mix bytes); h >> 2 per 16 bits
+template <int S, int Bits>
+inline ivec with_high(ivec low4, ivec h) {
+  const ivec mask = _mm512_set1_epi8((1 << Bits) - 1);
+  return _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, S), mask), 4));
 }
 inline ivec shift_right2(ivec h) { return _mm512_srli_epi16(h, 2); }
 inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
@@ -131,13 +128,10 @@ inline ivec iload(const unsigned char* p) { return _mm256_loadu_si256(reinterpre
 inline ivec isplat(int32_t v) { return _mm256_set1_epi32(v); }
 inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 inline ivec isub(ivec a, ivec b) { return _mm256_sub_epi32(a, b); }
-template <int S>
-inline ivec with_high2(ivec low4, ivec h) {
-  return _mm256_or_si256(low4, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, S), _mm256_set1_epi8(3)), 4));
-}
-template <int S>
-inline ivec with_high1(ivec low4, ivec h) {
-  return _mm256_or_si256(low4, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, S), _mm256_set1_epi8(1)), 4));
+template <int S, int Bits>
+inline ivec with_high(ivec low4, ivec h) {
+  const ivec mask = _mm256_set1_epi8((1 << Bits) - 1);
+  return _mm256_or_si256(low4, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, S), mask), 4));
 }
 inline ivec shift_right2(ivec h) { return _mm256_srli_epi16(h, 2); }
 inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
@@ -160,10 +154,8 @@ inline ivec iload(const unsigned char* p) { ivec v; std::memcpy(&v, p, sizeof v)
 inline ivec isplat(int32_t v) { return ivec{} + v; }
 inline ivec iadd(ivec a, ivec b) { return a + b; }
 inline ivec isub(ivec a, ivec b) { return a - b; }
-template <int S>
-inline ivec with_high2(ivec low4, ivec h) { return low4 | (((h >> S) & 0x03030303) << 4); }
-template <int S>
-inline ivec with_high1(ivec low4, ivec h) { return low4 | (((h >> S) & 0x01010101) << 4); }
+template <int S, int Bits>
+inline ivec with_high(ivec low4, ivec h) { return low4 | (((h >> S) & (0x01010101 * ((1 << Bits) - 1))) << 4); }
 inline ivec shift_right2(ivec h) { return h >> 2; }
 inline ivec low_nibbles(ivec v) { return v & 0x0f0f0f0f; }
 inline ivec high_nibbles(ivec v) { return (v >> 4) & 0x0f0f0f0f; }
@@ -374,8 +366,8 @@ inline void block_sums(const Rows& rows, int64_t b, const unsigned char* const* 
           wl[j] = low_nibbles(raw);
           wh[j] = high_nibbles(raw);
           if constexpr (F == kQ5) {
-            wl[j] = with_high1<0>(wl[j], high[j]);
-            wh[j] = with_high1<1>(wh[j], high[j]);
+            wl[j] = with_high<0, 1>(wl[j], high[j]);
+            wh[j] = with_high<1, 1>(wh[j], high[j]);
             high[j] = shift_right2(high[j]);
           }
         }
@@ -475,11 +467,11 @@ inline void block_sums_q6k(const Rows& rows, int64_t b, const unsigned char* con
       for (int j = 0; j < NP; ++j) {
         const ivec raw = iload(nib[j] + g * G), h = iload(hib[j] + (g / 2) * G);
         if (g % 2 == 0) {
-          wl[j] = with_high2<0>(low_nibbles(raw), h);
-          wh[j] = with_high2<2>(high_nibbles(raw), h);
+          wl[j] = with_high<0, 2>(low_nibbles(raw), h);
+          wh[j] = with_high<2, 2>(high_nibbles(raw), h);
         } else {
-          wl[j] = with_high2<4>(low_nibbles(raw), h);
-          wh[j] = with_high2<6>(high_nibbles(raw), h);
+          wl[j] = with_high<4, 2>(low_nibbles(raw), h);
+          wh[j] = with_high<6, 2>(high_nibbles(raw), h);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -523,8 +515,8 @@ void tile(const Rows& rows, const unsigned char* packed, int64_t p0, float* out,
     // decode on the default model (Xeon, AVX-512, 2 threads): the layer matmuls and the LM head
     // over 96 MB of blocks took 2.4 ms instead of 3.4 without it. A prefetch past the end of
     // the weight is harmless (no fault); it fetches some other bytes. The K-quants' 2.4-3.4 KB
-    // per panel are spread over their 8 blocks of 32 below (all at once, Q4_K's matmuls took
-    // 1.17x the time).
+    // per panel are spread over their 8 blocks of 32 below (all at once, Q4_K's matmuls over
+    // 30 decode-shaped weights took 1.55 ms instead of 1.26: loadtests/bench_quant_kernels).
     if constexpr (kSub == 1)
       for (int j = 0; j < NP; ++j) prefetch_bytes(blk[j] + kPanels * nwb * BB, BB);
     vfloat sums[R][NP];
