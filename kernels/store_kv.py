@@ -101,8 +101,10 @@ def _quantize(x, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     """Rows of x [BLOCK_H, BLOCK_D] fp32 -> (codes as uint8 bit patterns, scales [BLOCK_H])."""
     x = tl.where(mask, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = amax / QMAX
-    inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, scale, 1.0), 0.0)
+    # IEEE divisions (div_rn) like the reference's torch ops: on CUDA Triton's `/` on fp32 is the
+    # approximate div.full.f32 (2 ulp), which made the scales differ bitwise from the reference
+    scale = tl.math.div_rn(amax, QMAX)
+    inv = tl.where(amax > 0, tl.math.div_rn(1.0, tl.where(amax > 0, scale, 1.0)), 0.0)
     scaled = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
     if IS_FP8:
         # float8_e4m3fn by its bits, ties to even (Triton 3.9's interpreter drops the carry

@@ -7,10 +7,20 @@ import os
 import pytest
 
 
+# Set on a machine that cannot have the default GGUF (the GPU check, ``gpu/run.sh``): tests that
+# need it skip with the reason instead of erroring. Unset (``make test``), a missing model fails.
+ALLOW_NO_DEFAULT_MODEL_ENV = "PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL"
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from engine.models.default_model import default_model_path
-    return default_model_path()
+    try:
+        return default_model_path()
+    except FileNotFoundError as error:
+        if os.environ.get(ALLOW_NO_DEFAULT_MODEL_ENV) == "1":
+            pytest.skip(f"the default model is not installed here ({error})")
+        raise
 
 
 @pytest.fixture(scope="session")
