@@ -30,6 +30,8 @@ from engine.config import (
     Role,
     SchedulerConfig,
     SpecConfig,
+    device_defaults,
+    is_cuda_device,
 )
 from engine.kv_cache.quant_format import KV_CACHE_DTYPES, cache_dtype_for
 
@@ -43,31 +45,44 @@ class EngineArgs:
     """Engine settings as a user gives them; ``build`` turns them into an EngineConfig.
 
     Units: ``kv_cache_memory`` in bytes, ``cpu_offload_gb`` in GiB (2**30 bytes), lengths in tokens.
-    ``num_kv_blocks`` wins over ``kv_cache_memory``; ``max_model_len`` None keeps the model's context length."""
+    ``num_kv_blocks`` wins over ``kv_cache_memory``; ``max_model_len`` None keeps the model's context length.
+    Defaults that follow the device (``dtype`` 'auto', None for the scheduler limits and the KV
+    cache memory) are resolved by ``build`` from ``engine.config.device_defaults``."""
 
     block_size: int = _setting(CacheConfig.block_size, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = _setting(CacheConfig.num_blocks,
                                          "KV blocks (wins over --kv-cache-memory)")
-    kv_cache_memory: int = _setting(CacheConfig.memory_budget_bytes,
-                                    "KV cache bytes, when --num-kv-blocks is not given")
+    kv_cache_memory: int | None = _setting(None, "KV cache bytes, when --num-kv-blocks is not given "
+                                           "(default: on CUDA what --gpu-memory-utilization leaves, "
+                                           f"on a CPU {CacheConfig.memory_budget_bytes >> 20} MiB)")
+    gpu_memory_utilization: float = _setting(0.9, "CUDA: the fraction of the GPU's memory for the "
+                                             "weights, activations and the KV cache")
     enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching,
                                            "disable the prefix cache", flag="--no-prefix-caching")
     cpu_offload_gb: float | None = _setting(None, "host (CPU) tier GiB for blocks evicted from the KV "
                                             "cache (default: twice the KV cache, at most a quarter of "
                                             "free memory; 0: off)")
-    max_num_seqs: int = _setting(SchedulerConfig.max_num_seqs, "most running requests per step")
-    max_num_batched_tokens: int = _setting(SchedulerConfig.max_num_batched_tokens,
-                                           "token budget of one engine step")
+    max_num_seqs: int | None = _setting(None, "most running requests per step (default: "
+                                        f"{device_defaults('cuda').max_num_seqs} on CUDA, "
+                                        f"{device_defaults('cpu').max_num_seqs} on a CPU)")
+    max_num_batched_tokens: int | None = _setting(None, "token budget of one engine step (default: "
+                                                  f"{device_defaults('cuda').max_num_batched_tokens} on "
+                                                  f"CUDA, {device_defaults('cpu').max_num_batched_tokens}"
+                                                  " on a CPU)")
     max_model_len: int | None = _setting(None, "context length cap in tokens (default: the model's)")
     device: str = _setting(EngineConfig.device, "torch device")
-    dtype: str = _setting(EngineConfig.dtype, "weights, activations and KV cache dtype",
-                          choices=DTYPES)
+    dtype: str = _setting("auto", "weights, activations and KV cache dtype (auto: "
+                          f"{device_defaults('cuda').dtype} on CUDA, {device_defaults('cpu').dtype} "
+                          "on a CPU)", choices=("auto", *DTYPES))
     kv_cache_dtype: str = _setting("auto", "KV cache storage: the model's dtype (auto), fp32, "
                                    "bf16 (half fp32's bytes), or 8-bit codes with a per-token, "
                                    "per-head fp32 scale (int8, fp8 = float8_e4m3fn)",
                                    choices=KV_CACHE_DTYPES)
-    weight_format: str = _setting(EngineConfig.weight_format, "matmul weights: fp32, the GGUF's "
-                                  "own blocks (auto), or all Q8_0 / 4-bit", choices=WEIGHT_FORMATS)
+    weight_format: str = _setting("auto", "matmul weights: the GGUF's own blocks where a kernel "
+                                  "reads them (auto: float32 activations only, as on a CPU), fp32, "
+                                  "or all Q8_0 / 4-bit", choices=WEIGHT_FORMATS)
+    enforce_eager: bool = _setting(False, "CUDA: run decode steps eagerly instead of replaying "
+                                   "captured CUDA graphs")
     num_threads: int = _setting(EngineConfig.num_threads,
                                 "CPU compute threads (0: every CPU this process may run on)")
     spec_method: str | None = _setting(SpecConfig.method, "speculative decoding proposer "
@@ -98,18 +113,28 @@ class EngineArgs:
                               f"got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None:
             model_config = replace(model_config, max_model_len=self.max_model_len)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        defaults = device_defaults(self.device)
+        dtype = defaults.dtype if self.dtype == "auto" else self.dtype
+        on_gpu_budget = is_cuda_device(self.device) and self.kv_cache_memory is None
         spec = SpecConfig(method=self.spec_method, k=self.spec_k, draft_model=self.draft_model,
                           num_layers=self.spec_layers, max_batch=self.spec_max_batch,
                           draft_cost=self.spec_draft_cost)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
-                              memory_budget_bytes=self.kv_cache_memory,
-                              dtype=cache_dtype_for(self.kv_cache_dtype, self.dtype),
+                              memory_budget_bytes=(CacheConfig.memory_budget_bytes
+                                                   if self.kv_cache_memory is None else self.kv_cache_memory),
+                              gpu_memory_utilization=self.gpu_memory_utilization if on_gpu_budget else None,
+                              dtype=cache_dtype_for(self.kv_cache_dtype, dtype),
                               enable_prefix_caching=self.enable_prefix_caching,
                               cpu_offload_bytes=cpu_offload_bytes),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens, role=role),
+            scheduler=SchedulerConfig(
+                max_num_seqs=defaults.max_num_seqs if self.max_num_seqs is None else self.max_num_seqs,
+                max_num_batched_tokens=(defaults.max_num_batched_tokens if self.max_num_batched_tokens is None
+                                        else self.max_num_batched_tokens),
+                role=role),
             spec=SpecConfig() if role == Role.PREFILL else spec,
-            device=self.device, dtype=self.dtype, num_threads=self.num_threads,
-            weight_format=self.weight_format)
+            device=self.device, dtype=dtype, num_threads=self.num_threads,
+            weight_format=self.weight_format, enforce_eager=self.enforce_eager)

@@ -88,6 +88,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_budget_bytes: int = 512 * 1024 * 1024
+    # On CUDA: size the cache from this fraction of the GPU's memory, less the weights and the
+    # profiled activation peak (``engine/runner/memory.py``); None uses memory_budget_bytes.
+    gpu_memory_utilization: float | None = None
     dtype: str = "float32"
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for a publisher to drain
@@ -103,6 +106,9 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization}")
         if self.cpu_offload_bytes is not None and self.cpu_offload_bytes < 0:
             raise ConfigError(f"CacheConfig.cpu_offload_bytes must be >= 0 (0 turns the host tier off), "
                               f"got {self.cpu_offload_bytes}")
@@ -126,6 +132,30 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"SchedulerConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The settings whose default depends on the device (``device_defaults``)."""
+
+    dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+# A large GPU takes vLLM's scheduler limits and bf16; a CPU (2 cores in CI) small steps in fp32.
+CUDA_DEFAULTS = DeviceDefaults(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192)
+CPU_DEFAULTS = DeviceDefaults(dtype="float32", max_num_seqs=SchedulerConfig.max_num_seqs,
+                              max_num_batched_tokens=SchedulerConfig.max_num_batched_tokens)
+
+
+def is_cuda_device(device: str) -> bool:
+    """'cuda' or 'cuda:N' (torch-free: the router reads the defaults too)."""
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def device_defaults(device: str) -> DeviceDefaults:
+    return CUDA_DEFAULTS if is_cuda_device(device) else CPU_DEFAULTS
 
 
 WEIGHT_FORMATS = ("auto", "fp32", "q8_0", "q4")  # engine/models/quant_weights.py says what each means
@@ -184,6 +214,8 @@ class EngineConfig:
     num_threads: int = 0  # CPU compute threads (0: every CPU this process may run on)
     # matmul weights: fp32, or GGUF blocks read by the quantized kernels (engine/models/quant_weights.py)
     weight_format: str = "fp32"
+    # CUDA: decode steps replay captured graphs (engine/runner/cuda_graphs.py) unless this is set
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:

@@ -35,7 +35,7 @@ import functools
 import torch
 
 from kernels._triton import check_launchable, is_interpreter, tl, triton
-from kernels.kv_quant import QUANT_DTYPES, check_scale_alignment
+from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, check_scale_alignment
 from kernels.paged_attention_ref import check_attention_args, paged_attention_ref
 
 __all__ = ["paged_attention", "paged_attention_ref"]
@@ -72,7 +72,10 @@ def _decode_codes(codes, QUANT: tl.constexpr):
     return tl.where((x & 0x80) != 0, -value, value)
 
 
-@triton.jit
+# num_seqs and the block table's row stride change from step to step: Triton would compile a
+# variant for each value class (== 1, % 16 == 0) it sees, so a request could pay a compile; the
+# constexprs alone pick a variant, and ``warm_up`` compiles every one the engine can launch.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -212,7 +215,52 @@ def _auto_num_splits(device: torch.device, num_programs: int, max_context: int,
     if device.type != "cuda" or max_seqlen_q > 16 or num_programs >= sms or max_context < 2048:
         return 1
     wanted = triton.cdiv(2 * sms, num_programs)
-    return max(1, min(16, triton.next_power_of_2(wanted), max_context // 512))
+    most = min(16, triton.next_power_of_2(wanted), max_context // 512)
+    return 1 << (most.bit_length() - 1)  # a power of two: the variants warm_up compiles
+
+
+def _block_m(max_seqlen_q: int, g_pad: int, device: torch.device) -> int:
+    """Rows of a program's query tile: a decode's GQA group, or up to 128 query rows."""
+    if max_seqlen_q == 1:
+        return max(16, g_pad)
+    rows = max_seqlen_q * g_pad
+    return max(g_pad, 128 if device.type == "cuda" and rows >= 128 else 64 if rows >= 64 else 16)
+
+
+def launch_variants(num_heads: int, num_kv_heads: int, device: torch.device,
+                    max_model_len: int) -> list[tuple[int, int]]:
+    """(max_seqlen_q, num_splits) pairs that reach every compiled variant the engine can launch
+    for one model and cache: each distinct query tile (``_block_m``) unsplit, and each split
+    count ``_auto_num_splits`` can pick for the short-query steps over a long context."""
+    g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    by_tile: dict[int, int] = {}
+    for q_len in (1, 2, 64 // g_pad + 1, 128 // g_pad + 1):
+        by_tile.setdefault(_block_m(q_len, g_pad, device), q_len)
+    variants = [(q_len, 1) for q_len in by_tile.values()]
+    splits = 2
+    while device.type == "cuda" and max_model_len >= 2048 and splits <= min(16, max_model_len // 512):
+        variants.append((1, splits))
+        splits *= 2
+    return variants
+
+
+def warm_up(query_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            num_heads: int, max_model_len: int) -> int:
+    """Compile every variant of ``launch_variants`` now, on one 2-block sequence, so that no
+    request pays a compile. Returns how many variants were launched."""
+    _, block_size, num_kv_heads, row = key_cache.shape
+    head_dim = row - SCALE_BYTES if key_cache.dtype in QUANT_DTYPES else row
+    device = key_cache.device
+    variants = launch_variants(num_heads, num_kv_heads, device, max_model_len)
+    for q_len, num_splits in variants:
+        seq_len = max(q_len, 2 * block_size)
+        query = torch.zeros(q_len, num_heads, head_dim, dtype=query_dtype, device=device)
+        block_tables = torch.zeros(1, triton.cdiv(seq_len, block_size), dtype=torch.int32, device=device)
+        paged_attention(query, key_cache, value_cache, block_tables,
+                        torch.tensor([seq_len], dtype=torch.int32, device=device),
+                        torch.tensor([0, q_len], dtype=torch.int32, device=device), q_len, 1.0,
+                        num_splits=num_splits)
+    return len(variants)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -238,11 +286,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return out
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
-    if max_seqlen_q == 1:
-        block_m = max(16, g_pad)
-    else:
-        rows = max_seqlen_q * g_pad
-        block_m = max(g_pad, 128 if device.type == "cuda" and rows >= 128 else 64 if rows >= 64 else 16)
+    block_m = _block_m(max_seqlen_q, g_pad, device)
     block_q = block_m // g_pad
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see module docstring
     if tile_n is None:

@@ -6,6 +6,7 @@ decide anything; the scheduler did.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,8 +19,11 @@ from engine.models.loader import LoadedModel
 from engine.models.quant_weights import plan_quantized
 from engine.request import Request
 from engine.runner.cpu_threads import configure_cpu_threads
+from engine.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, NoDecodeGraphs
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from engine.runner.logit_rows import plan_logit_rows
+from engine.runner.memory import gpu_kv_blocks
+from engine.runner.warmup import warm_up
 from engine.sampling.logprobs import PositionLogprobs, compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata, takes_argmax
 from engine.sampling.sampler import Sampler, argmax_rows
@@ -28,6 +32,8 @@ from engine.spec_decode.verify import verify_drafts
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from kernels.calibration import ModelDims
 from kernels.ops import Ops, compiled_ops, get_ops, select_backend
+
+log = logging.getLogger(__name__)
 
 
 def model_dims(config: ModelConfig) -> ModelDims:
@@ -71,13 +77,34 @@ class ModelRunner:
             ops = kv_quant_ops(ops, self.backend)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, ops, self.device, dtype,
                                       quant_plan=plan)
-        self.kv_cache = allocate_kv_cache(loaded.config, config.cache, self.device)
+        cache = config.cache
+        if self.device.type == "cuda" and cache.gpu_memory_utilization is not None and cache.num_blocks is None:
+            scheduler = config.scheduler
+            cache = replace(cache, num_blocks=gpu_kv_blocks(
+                self.model, cache, scheduler.max_num_batched_tokens, scheduler.max_num_seqs))
+        self.kv_cache = allocate_kv_cache(loaded.config, cache, self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = loaded.config.eos_token_ids
         self.sampler = Sampler()
         self._argmax_rows = ops.argmax_rows or argmax_rows  # plain greedy rows: the compiled pass where built
         self._copy_blocks = copy_blocks if self.backend == "triton" else copy_blocks_ref
+        if self.backend == "triton" and self.device.type == "cuda":
+            seconds = warm_up(self.model, self.kv_cache, config.scheduler.max_num_batched_tokens)
+            log.info("compiled the kernels' variants in %.1f s", seconds)
+        self.decode_graphs = self._decode_graphs(config)
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | NoDecodeGraphs:
+        """Decode steps as CUDA graphs, captured now (``engine/runner/cuda_graphs.py``), on CUDA
+        unless ``enforce_eager``."""
+        if self.device.type != "cuda" or config.enforce_eager:
+            return NoDecodeGraphs()
+        graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
+                              config.model.max_model_len, self.block_size, CudaGraphCapture())
+        seconds = graphs.capture_all()
+        log.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1f s",
+                    len(graphs.sizes), graphs.sizes[-1], seconds)
+        return graphs
 
     @property
     def num_blocks(self) -> int:
@@ -100,15 +127,10 @@ class ModelRunner:
             seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
                                      block_ids[request.request_id], num_logits))
 
-        model_input = build_model_input(seqs, self.block_size, self.device)
-        hidden = self.model.forward(model_input.input_ids, model_input.positions,
-                                    model_input.attn, self.kv_cache)
         out = RunnerOutput()
-        if rows.num_rows == 0:
+        logits = self._forward(seqs)
+        if logits is None:
             return out
-        # as many logits rows as tokens: they are all the rows, in order (no gather)
-        wanted = model_input.logits_indices
-        logits = self.model.compute_logits(hidden if wanted.shape[0] == hidden.shape[0] else hidden[wanted])
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
             num_top = request.sampling_params.prompt_logprobs
@@ -123,6 +145,20 @@ class ModelRunner:
             for request, token_ids in zip(rows.verify_requests, accepted):
                 out.sampled[request.request_id] = token_ids
         return out
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The step's logits rows (None when it has none): a replayed graph for a decode step
+        that fits one, else the eager forward."""
+        if self.decode_graphs.can_run(seqs):
+            return self.decode_graphs.run(seqs)
+        model_input = build_model_input(seqs, self.block_size, self.device)
+        hidden = self.model.forward(model_input.input_ids, model_input.positions,
+                                    model_input.attn, self.kv_cache)
+        wanted = model_input.logits_indices
+        if wanted.shape[0] == 0:
+            return None
+        # as many logits rows as tokens: they are all the rows, in order (no gather)
+        return self.model.compute_logits(hidden if wanted.shape[0] == hidden.shape[0] else hidden[wanted])
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, int]],
                 out: RunnerOutput) -> None:

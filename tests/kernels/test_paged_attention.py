@@ -129,3 +129,31 @@ def test_writes_into_out_and_skips_empty_queries(impl):
     out = torch.zeros_like(case.query)
     assert impl(*case.args(), out=out) is out
     assert_close(out, dense_attention(case), torch.float32)
+
+
+def test_launch_variants_cover_every_tile_and_split(monkeypatch):
+    from kernels import paged_attention as module
+
+    monkeypatch.setattr(module, "_num_sms", lambda device: 132)  # an H100's; pure host code below
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert module.launch_variants(9, 3, cpu, 2048) == [(1, 1), (17, 1)]  # query tiles of 16 and 64 rows
+    for heads, kv_heads in ((32, 32), (9, 3), (32, 8)):
+        g_pad = 1 << (heads // kv_heads - 1).bit_length()
+        variants = module.launch_variants(heads, kv_heads, cuda, 8192)
+        tiles = {module._block_m(q, g_pad, cuda) for q in range(1, 600)}
+        assert tiles == {module._block_m(q, g_pad, cuda) for q, s in variants if s == 1}
+        # every split count the heuristic can choose for a short query is a warmed one
+        splits = {module._auto_num_splits(cuda, programs, context, 1) for programs in range(1, 300)
+                  for context in range(16, 8193, 16)}
+        assert splits <= {s for _, s in variants} and 1 in splits and 16 in splits
+    assert module.launch_variants(32, 32, cuda, 8192) == [(1, 1), (65, 1), (129, 1), (1, 2), (1, 4), (1, 8),
+                                                          (1, 16)]
+
+
+@requires_triton
+def test_warm_up_compiles_each_variant_on_a_small_cache():
+    from kernels.paged_attention import warm_up
+
+    cache = torch.zeros(4, 1, 2, 8, 3, 64, device=DEVICE)
+    expected = 2 if DEVICE.type == "cpu" else 3  # query tiles of 16, 64 (and 128 rows on CUDA)
+    assert warm_up(torch.float32, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == expected

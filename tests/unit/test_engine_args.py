@@ -33,10 +33,11 @@ MODEL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, interm
 # Every field away from its default (test_changed_covers_every_field keeps it so).
 CHANGED = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=100_000_000,
                      enable_prefix_caching=False, max_num_seqs=7, max_num_batched_tokens=256,
-                     max_model_len=384, device="cuda", dtype="bfloat16", num_threads=1,
+                     max_model_len=384, device="cuda", dtype="float16", num_threads=1,
                      spec_method="ngram", spec_k=3, draft_model="/models/draft.gguf",
                      spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5, cpu_offload_gb=0.25,
-                     weight_format="auto", kv_cache_dtype="int8")
+                     weight_format="fp32", kv_cache_dtype="int8", gpu_memory_utilization=0.5,
+                     enforce_eager=True)
 
 
 def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
@@ -60,11 +61,28 @@ def test_changed_covers_every_field():
             if getattr(CHANGED, f.name) == f.default] == []
 
 
-def test_defaults_are_the_config_dataclasses():
+def test_defaults_are_the_config_dataclasses_on_a_cpu():
     assert EngineArgs().build(MODEL, Role.COLOCATED) == EngineConfig(
         model=MODEL, cache=CacheConfig(), scheduler=SchedulerConfig(role=Role.COLOCATED),
-        spec=SpecConfig())
-    assert EngineArgs().kv_cache_memory == 512 * 1024 * 1024
+        spec=SpecConfig(), weight_format="auto")
+    assert EngineArgs().build(MODEL, Role.COLOCATED).cache.memory_budget_bytes == 512 * 1024 * 1024
+
+
+def test_defaults_follow_a_cuda_device():
+    config = EngineArgs(device="cuda").build(MODEL, Role.COLOCATED)
+    assert (config.dtype, config.cache.dtype) == ("bfloat16", "bfloat16")
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, 8192)
+    assert config.cache.gpu_memory_utilization == 0.9  # the KV cache from the GPU's free memory
+    assert EngineArgs(device="cuda:1", gpu_memory_utilization=0.5).build(
+        MODEL, Role.DECODE).cache.gpu_memory_utilization == 0.5
+    given = EngineArgs(device="cuda", kv_cache_memory=2**30, dtype="float32", max_num_seqs=8,
+                       max_num_batched_tokens=1024).build(MODEL, Role.DECODE)
+    assert (given.cache.gpu_memory_utilization, given.cache.memory_budget_bytes) == (None, 2**30)
+    assert (given.dtype, given.scheduler.max_num_seqs, given.scheduler.max_num_batched_tokens) == (
+        "float32", 8, 1024)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+            EngineArgs(device="cuda", gpu_memory_utilization=bad).build(MODEL, Role.DECODE)
 
 
 def test_build_applies_every_field():
@@ -75,11 +93,12 @@ def test_build_applies_every_field():
         scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=256, role=Role.DECODE),
         spec=SpecConfig(method="ngram", k=3, draft_model="/models/draft.gguf", num_layers=6,
                         max_batch=8, draft_cost=0.5),
-        device="cuda", dtype="bfloat16", num_threads=1, weight_format="auto")
-    default = EngineArgs().build(MODEL, Role.DECODE)
-    for f in dataclasses.fields(EngineArgs):  # none of them is dropped on the way
-        one = EngineArgs(**{f.name: getattr(CHANGED, f.name)})
-        assert one.build(MODEL, Role.DECODE) != default, f.name
+        device="cuda", dtype="float16", num_threads=1, weight_format="fp32", enforce_eager=True)
+    assert EngineArgs(device="cuda").build(MODEL, Role.DECODE) != EngineArgs().build(MODEL, Role.DECODE)
+    default = EngineArgs(device="cuda").build(MODEL, Role.DECODE)
+    for f in dataclasses.fields(EngineArgs):  # none of them is dropped on the way (on CUDA, where all apply)
+        one = EngineArgs(**{"device": "cuda", f.name: getattr(CHANGED, f.name)})
+        assert f.name == "device" or one.build(MODEL, Role.DECODE) != default, f.name
 
 
 def test_kv_cache_dtype_names_the_cache_storage():

@@ -1,0 +1,212 @@
+"""Decode steps as replayed CUDA graphs, one per batch-size bucket.
+
+A decode-only step (every scheduled sequence computes one token and needs one logits row) of
+``n`` sequences runs as the graph captured for the smallest bucket ``>= n``. The graph reads its
+inputs from persistent device buffers (``DecodeBuffers``) that each step overwrites in place, so
+nothing is allocated and no launch grid changes between replays: Triton bakes the Python ints it
+is launched with into the captured launch, and every grid of the forward is a function of the
+bucket (tokens = sequences = bucket, max_seqlen_q = 1, a block table as wide as the longest
+context). Rows ``n..bucket-1`` are padding: slot -1 (``store_kv`` writes nothing for it), context
+length 1, token 0; their logits are never sampled.
+
+Index regions of the buffers for a step of 3 sequences in the bucket of 4::
+
+    input_ids, positions, slot_mapping, seq_lens   | s0 | s1 | s2 | pad |  (rows >= 4: unused)
+    cu_seqlens_q                                   0    1    2    3     4   (constant: arange)
+    block_tables                                   rows 0..2: each sequence's blocks, then stale
+                                                   ids the kernel never reads (past its length)
+
+Prefill, mixed and speculative-verification steps run eagerly: their token counts and query
+lengths vary per step, so a graph per shape would be one per (tokens, max query length) pair,
+and those steps are compute-bound, where launch overhead is a small share of the step.
+
+``GraphCapture`` is how a forward becomes a replayable callable: ``CudaGraphCapture`` records a
+CUDA graph (all buckets share one memory pool); ``EagerCapture`` calls the forward each time on
+the same buffers (what the CPU tests use to check the buffer bookkeeping, padding included).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from engine.mathutils import cdiv
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from engine.runner.inputs import ScheduledSeq
+
+Replay = Callable[[], torch.Tensor]  # runs the captured step, returns its logits [bucket, vocab]
+
+
+def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The buckets: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (and it, last)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return (*sizes, max_num_seqs)
+
+
+def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``num_seqs`` sequences; None when none does."""
+    return next((size for size in sizes if size >= num_seqs), None)
+
+
+def is_decode_only(seqs: Sequence[ScheduledSeq]) -> bool:
+    return all(len(s.token_ids) == 1 and s.num_logits == 1 for s in seqs)
+
+
+class DecodeBuffers:
+    """The graphs' inputs: device tensors written in place each step, for up to ``max_seqs``
+    sequences with block tables ``max_blocks`` wide, staged in (pinned, on CUDA) host memory and
+    copied to the device in one non-blocking copy per tensor."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_seqs, self.max_blocks, self.block_size = max_seqs, max_blocks, block_size
+        pin = device.type == "cuda"
+
+        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return host, torch.zeros(shape, dtype=dtype, device=device)
+
+        self._input_ids = pair((max_seqs,), torch.int64)
+        self._positions = pair((max_seqs,), torch.int64)
+        self._slot_mapping = pair((max_seqs,), torch.int64)
+        self._seq_lens = pair((max_seqs,), torch.int32)
+        self._block_tables = pair((max_seqs, max_blocks), torch.int32)
+        self._pairs = (self._input_ids, self._positions, self._slot_mapping, self._seq_lens)
+        self.cu_seqlens_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
+        self._pad(0, max_seqs)
+        for host, dev in (*self._pairs, self._block_tables):
+            dev.copy_(host)
+        # numpy views of the host staging: the per-row writes below cost ~0.1 us each
+        self._np = [host.numpy() for host, _ in self._pairs]
+        self._np_tables = self._block_tables[0].numpy()
+
+    def _pad(self, start: int, stop: int) -> None:
+        """Rows [start, stop) as padding: token 0 at position 0, nothing stored, context 1."""
+        self._input_ids[0][start:stop] = 0
+        self._positions[0][start:stop] = 0
+        self._slot_mapping[0][start:stop] = -1
+        self._seq_lens[0][start:stop] = 1
+
+    def write(self, seqs: Sequence[ScheduledSeq], bucket: int) -> None:
+        """Stage one decode token per sequence and pad up to ``bucket`` rows; ValueError if a
+        block table is too short or the step does not fit the buffers."""
+        n, bs = len(seqs), self.block_size
+        if not n <= bucket <= self.max_seqs:
+            raise ValueError(f"{n} sequences in a bucket of {bucket}: at most {self.max_seqs}")
+        input_ids, positions, slot_mapping, seq_lens = self._np
+        for i, s in enumerate(seqs):
+            pos = s.start_pos
+            needed = pos // bs + 1
+            if len(s.block_ids) < needed or needed > self.max_blocks:
+                raise ValueError(f"sequence {i} needs {needed} blocks for {pos + 1} tokens, its block "
+                                 f"table has {len(s.block_ids)} (at most {self.max_blocks} fit)")
+            input_ids[i] = s.token_ids[0]
+            positions[i] = pos
+            slot_mapping[i] = s.block_ids[pos // bs] * bs + pos % bs
+            seq_lens[i] = pos + 1
+            self._np_tables[i, :needed] = s.block_ids[:needed]
+        self._pad(n, bucket)
+        for host, dev in (*self._pairs, self._block_tables):
+            dev[:bucket].copy_(host[:bucket], non_blocking=True)
+
+    def inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, attention metadata): views of the first ``bucket`` rows."""
+        attn = AttentionMetadata(slot_mapping=self._slot_mapping[1][:bucket],
+                                 block_tables=self._block_tables[1][:bucket],
+                                 seq_lens=self._seq_lens[1][:bucket],
+                                 cu_seqlens_q=self.cu_seqlens_q[:bucket + 1], max_seqlen_q=1)
+        return self._input_ids[1][:bucket], self._positions[1][:bucket], attn
+
+
+class GraphCapture(Protocol):
+    def capture(self, step: Replay) -> Replay:
+        """A callable that runs ``step`` again on whatever its buffers then hold."""
+
+
+class EagerCapture:
+    """Runs the step each time (no graph): the CPU stand-in for the bookkeeping tests."""
+
+    def capture(self, step: Replay) -> Replay:
+        return step
+
+
+class CudaGraphCapture:
+    """Records each step as a CUDA graph; all of them allocate from one memory pool (the graphs
+    never run at the same time: each replay's output is read before the next replay)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, step: Replay) -> Replay:
+        step()  # compile every Triton kernel of the step outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+
+class DecodeGraphs:
+    """One replayable decode step per bucket over ``model`` and ``kv_cache``."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_num_seqs: int,
+                 max_model_len: int, block_size: int, capture: GraphCapture) -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.sizes = capture_sizes(max_num_seqs)
+        self.buffers = DecodeBuffers(max_num_seqs, cdiv(max_model_len, block_size), block_size,
+                                     kv_cache.device)
+        self._capture = capture
+        self._replays: dict[int, Replay] = {}
+        self.capture_seconds = 0.0
+
+    def capture_all(self) -> float:
+        """Capture every bucket, largest first (the pool then serves the smaller ones from the
+        memory the largest reserved). Returns the seconds it took."""
+        started = time.perf_counter()
+        for bucket in reversed(self.sizes):
+            self._replays[bucket] = self._capture.capture(self._step(bucket))
+        self.capture_seconds = time.perf_counter() - started
+        return self.capture_seconds
+
+    def _step(self, bucket: int) -> Replay:
+        input_ids, positions, attn = self.buffers.inputs(bucket)
+
+        def step() -> torch.Tensor:
+            hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
+            return self.model.compute_logits(hidden)
+        return step
+
+    def can_run(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        return bool(seqs) and len(seqs) <= self.sizes[-1] and is_decode_only(seqs)
+
+    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """The logits [len(seqs), vocab] of one decode step (a view into the graph's output:
+        read it before the next ``run``)."""
+        bucket = bucket_for(len(seqs), self.sizes)
+        assert bucket is not None, "run() needs can_run(seqs)"
+        self.buffers.write(seqs, bucket)
+        return self._replays[bucket]()[:len(seqs)]
+
+
+class NoDecodeGraphs:
+    """Graphs off (a CPU, or ``--enforce-eager``): every step runs eagerly."""
+
+    sizes: tuple[int, ...] = ()
+    capture_seconds = 0.0
+
+    def capture_all(self) -> float:
+        return 0.0
+
+    def can_run(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        return False
+
+    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        raise RuntimeError("decode graphs are off")

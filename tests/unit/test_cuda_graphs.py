@@ -1,0 +1,145 @@
+"""The decode graphs (engine/runner/cuda_graphs.py): buckets, the persistent buffers, padding
+rows that store nothing, stale block-table rows, refusals. On the CPU the step is replayed by
+``EagerCapture`` (the same buffers, no graph); where CUDA is present the same cases run again as
+captured CUDA graphs on the Triton ops (marked ``gpu``; skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+from engine.kv_cache.storage import allocate_kv_cache
+from engine.models.llama import LlamaForCausalLM
+from engine.runner.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    EagerCapture,
+    NoDecodeGraphs,
+    bucket_for,
+    capture_sizes,
+)
+from engine.runner.inputs import ScheduledSeq, build_model_input
+from kernels.ops import get_ops
+
+CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_model_len=64)
+BLOCK_SIZE = 4
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    weights = {"model.embed_tokens.weight": w(config.vocab_size, h), "model.norm.weight": 1 + w(h) / 4,
+               "lm_head.weight": w(config.vocab_size, h)}
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}"
+        weights |= {f"{p}.self_attn.q_proj.weight": w(q, h), f"{p}.self_attn.k_proj.weight": w(kv, h),
+                    f"{p}.self_attn.v_proj.weight": w(kv, h), f"{p}.self_attn.o_proj.weight": w(h, q),
+                    f"{p}.mlp.gate_proj.weight": w(i, h), f"{p}.mlp.up_proj.weight": w(i, h),
+                    f"{p}.mlp.down_proj.weight": w(h, i), f"{p}.input_layernorm.weight": 1 + w(h) / 4,
+                    f"{p}.post_attention_layernorm.weight": 1 + w(h) / 4}
+    return weights
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[GPU, pytest.mark.gpu])])
+def device(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(device):
+    ops = get_ops("torch" if device == "cpu" else "triton")
+    return LlamaForCausalLM(CONFIG, random_weights(CONFIG), ops, device)
+
+
+def _capture(device):
+    return EagerCapture() if device == "cpu" else CudaGraphCapture()
+
+
+def test_buckets():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(3) == (1, 2, 3)
+    assert capture_sizes(8) == (1, 2, 4, 8)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
+    sizes = capture_sizes(256)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256 and len(sizes) == 35
+    assert [bucket_for(n, sizes) for n in (1, 3, 5, 9, 255, 256, 257)] == [1, 4, 8, 16, 256, 256, None]
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        capture_sizes(0)
+
+
+def _prefill(model, kv_cache, prompts, tables):
+    seqs = [ScheduledSeq(p, 0, t) for p, t in zip(prompts, tables)]
+    batch = build_model_input(seqs, BLOCK_SIZE, kv_cache.device)
+    model.forward(batch.input_ids, batch.positions, batch.attn, kv_cache)
+
+
+def _eager_decode(model, kv_cache, seqs):
+    batch = build_model_input(seqs, BLOCK_SIZE, kv_cache.device)
+    hidden = model.forward(batch.input_ids, batch.positions, batch.attn, kv_cache)
+    return model.compute_logits(hidden)
+
+
+def test_a_padded_bucket_replays_the_eager_step(model, device):
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=24)
+    kv_cache = allocate_kv_cache(CONFIG, cache_config, device)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    tables = [[3, 7], [0], [11, 2, 9]]
+    _prefill(model, kv_cache, prompts, tables)
+    graphs = DecodeGraphs(model, kv_cache, max_num_seqs=8, max_model_len=CONFIG.max_model_len,
+                          block_size=BLOCK_SIZE, capture=_capture(device))
+    graphs.capture_all()
+    assert graphs.sizes == (1, 2, 4, 8)
+    expected_cache = kv_cache.clone()
+
+    steps = [  # 3 sequences in the bucket of 4 (one padding row), then 1 in the bucket of 1
+        [ScheduledSeq([21], 5, tables[0]), ScheduledSeq([22], 2, tables[1] + [5]),
+         ScheduledSeq([23], 9, tables[2])],
+        [ScheduledSeq([24], 3, [6])],  # a new, short table in row 0: the stale ids after it unread
+    ]
+    for seqs in steps:
+        assert graphs.can_run(seqs)
+        actual = graphs.run(seqs)
+        expected = _eager_decode(model, expected_cache, seqs)
+        assert actual.shape == (len(seqs), CONFIG.vocab_size)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        # the real rows' K/V landed where the eager step put them; the padding row stored nothing
+        torch.testing.assert_close(kv_cache, expected_cache, rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_graphs_do_not_take(model, device):
+    kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=24), device)
+    graphs = DecodeGraphs(model, kv_cache, max_num_seqs=2, max_model_len=CONFIG.max_model_len,
+                          block_size=BLOCK_SIZE, capture=_capture(device))
+    graphs.capture_all()
+    decode = ScheduledSeq([1], 4, [0, 1])
+    assert not graphs.can_run([])
+    assert not graphs.can_run([decode] * 3)  # more sequences than the largest bucket
+    assert not graphs.can_run([ScheduledSeq([1, 2], 4, [0, 1])])  # a prefill chunk
+    assert not graphs.can_run([ScheduledSeq([1], 4, [0, 1], num_logits=2)])  # verification rows
+    with pytest.raises(ValueError, match="sequence 0 needs 2 blocks for 5 tokens, its block table has 1"):
+        graphs.run([ScheduledSeq([1], 4, [0])])
+    assert not NoDecodeGraphs().can_run([decode])
+
+
+def test_warm_up_launches_every_attention_variant_without_writing_the_cache(model, device, monkeypatch):
+    """The warm-up's kernel calls (Triton interpreted on the CPU) leave the cache as it was."""
+    from engine.runner.warmup import warm_up
+    from kernels import paged_attention
+
+    if device == "cpu":
+        monkeypatch.setattr(paged_attention, "warm_up", lambda *args: 0)  # Triton-only (tests/kernels)
+    kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=8), device)
+    kv_cache.normal_()
+    before = kv_cache.clone()
+    assert warm_up(model, kv_cache, max_num_batched_tokens=100) >= 0
+    assert torch.equal(kv_cache, before)
