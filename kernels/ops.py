@@ -6,6 +6,9 @@
     ops.silu_and_mul(x)                               -> [N, I]
     ops.store_kv(key, value, key_cache, value_cache, slot_mapping)   in place (quantizes for an
                                                       int8 / fp8 cache: kernels.kv_quant)
+    ops.rotary_store_kv(q, k, v, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+                                                      rotary then store_kv in one launch, where
+                                                      fused (Triton); None: the two calls
     ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
     ops.pack_linear(w_t)                              -> weight handle, once at load
@@ -65,6 +68,7 @@ class Ops:
     # the greedy sample [N, V] -> [int] | None, where compiled (not measured per size: one pass
     # that gives the same indices; 4.6 vs torch's 30 us at a 49k vocabulary, docs/benchmarks.md)
     argmax_rows: Callable[[torch.Tensor], list[int] | None] | None = None
+    rotary_store_kv: Callable[..., None] | None = None  # fused rotary + store_kv, where written
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -113,13 +117,15 @@ def get_ops(backend: str, dims=None) -> Ops:
         from kernels.quant_triton import quant_linear
         from kernels.rms_norm import rms_norm
         from kernels.rotary import rotary
+        from kernels.rotary_store_kv import rotary_store_kv
         from kernels.store_kv import store_kv
 
         quant_device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
         return Ops(rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
                    store_kv=store_kv, paged_attention=paged_attention,
                    pack_linear=pack_linear_ref, linear=linear_ref,
-                   pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear)
+                   pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear,
+                   rotary_store_kv=rotary_store_kv)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
 
 

@@ -69,7 +69,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _check_args(q, k, positions, cos_sin_cache) -> None:
+def check_rotary_args(q, k, positions, cos_sin_cache) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, _, head_dim = q.shape
     if head_dim % 2:
@@ -88,7 +88,7 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> None:
     """q: [N, num_heads, head_dim], k: [N, num_kv_heads, head_dim] (views allowed), positions: [N].
     Rotates q and k in place; math in fp32."""
-    _check_args(q, k, positions, cos_sin_cache)
+    check_rotary_args(q, k, positions, cos_sin_cache)
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache.index_select(0, positions.long()).unsqueeze(1)  # [N, 1, head_dim]
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
@@ -99,7 +99,7 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr,
+def rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr,
                   BLOCK_HALF: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -125,15 +125,15 @@ def _rotary_kernel(
     cs_mask = dims < half
     cos = tl.load(cos_sin_ptr + pos * stride_cache + dims, mask=cs_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cache + half + dims, mask=cs_mask, other=0.0)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half, BLOCK_HK,
+    rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half, BLOCK_HK,
                   BLOCK_HALF)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            cos_sin_cache: torch.Tensor) -> None:
     """Triton version of :func:`rotary_ref` (same contract, in place)."""
-    _check_args(q, k, positions, cos_sin_cache)
+    check_rotary_args(q, k, positions, cos_sin_cache)
     check_launchable(q.device)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:

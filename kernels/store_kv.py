@@ -18,7 +18,7 @@ from kernels._triton import check_launchable, tl, triton
 from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, check_scale_alignment, quantize_rows
 
 
-def _check_args(key, value, key_cache, value_cache, slot_mapping) -> int:
+def check_store_kv_args(key, value, key_cache, value_cache, slot_mapping) -> int:
     """Returns head_dim (the cache's row width, less the scale's bytes when quantized)."""
     check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES + QUANT_DTYPES,
                  last_dim_contiguous=True)
@@ -45,7 +45,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
     """key/value: [N, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim] (strided views; head_dim + 4 when quantized); slot_mapping: [N] int64, < 0 = skip.
     Writes in place; K/V are cast to the cache dtype, or quantized per row."""
-    _check_args(key, value, key_cache, value_cache, slot_mapping)
+    check_store_kv_args(key, value, key_cache, value_cache, slot_mapping)
     block_size = key_cache.shape[1]
     slots = slot_mapping.long()
     if slots.numel() and bool((slots < 0).any()):
@@ -61,7 +61,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
 
 
 @triton.jit
-def _bf16_bits(x):
+def bf16_bits(x):
     """fp32 -> bfloat16 bit patterns (int16), rounded to nearest even like torch's cast (Triton
     3.9's interpreter truncates in .to(tl.bfloat16)); NaN -> 0x7FC0, torch's NaN."""
     bits = x.to(tl.int32, bitcast=True)
@@ -78,7 +78,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BITS: tl.constexpr,
 ):
     # One program per token: copy its [num_kv_heads, head_dim] K and V into its slot. BF16_BITS:
-    # fp32 K/V into a bfloat16 cache seen as int16, rounded by _bf16_bits.
+    # fp32 K/V into a bfloat16 cache seen as int16, rounded by bf16_bits.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -89,8 +89,8 @@ def _store_kv_kernel(
         k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
         if BF16_BITS:
-            tl.store(key_cache_ptr + dst, _bf16_bits(k.to(tl.float32)), mask=mask)
-            tl.store(value_cache_ptr + dst, _bf16_bits(v.to(tl.float32)), mask=mask)
+            tl.store(key_cache_ptr + dst, bf16_bits(k.to(tl.float32)), mask=mask)
+            tl.store(value_cache_ptr + dst, bf16_bits(v.to(tl.float32)), mask=mask)
         else:
             tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -156,7 +156,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton version of :func:`store_kv_ref` (same contract; a quantized cache gets the same
     codes up to a rounding tie, where the division by the scale may land either side)."""
-    head_dim = _check_args(key, value, key_cache, value_cache, slot_mapping)
+    head_dim = check_store_kv_args(key, value, key_cache, value_cache, slot_mapping)
     check_launchable(key.device)
     num_tokens, num_kv_heads, _ = key.shape
     if num_tokens == 0:

@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-
-# Set on a machine that cannot have the default GGUF (the GPU check, ``gpu/run.sh``): tests that
+# Set on a machine that cannot have the default GGUF (the GPU check, ``loadtests/gpu/run.sh``): tests that
 # need it skip with the reason instead of erroring. Unset (``make test``), a missing model fails.
 ALLOW_NO_DEFAULT_MODEL_ENV = "PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL"
 

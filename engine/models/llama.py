@@ -72,6 +72,16 @@ class DecoderLayer:
         self.post_attention_norm = w("post_attention_layernorm.weight")
 
 
+def _rotary_then_store(ops: Ops) -> Any:
+    """``Ops.rotary_store_kv``'s contract from the two ops, for a backend without the fused one."""
+    def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        ops.rotary(q, k, positions, cos_sin_cache)
+        ops.store_kv(k, v, key_cache, value_cache, slot_mapping)
+    return rotary_store_kv
+
+
 def _step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
     """Bytes of weights one forward step reads: all but the embedding (one row per token),
     plus the LM head once (the tied embedding's transposed copy when there is no lm_head)."""
@@ -127,6 +137,7 @@ class LlamaForCausalLM:
         self.cos_sin_cache = build_cos_sin_cache(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
         ).to(self.device)
+        self.rotary_store_kv = ops.rotary_store_kv or _rotary_then_store(ops)
         # The layers as one compiled call for short steps (kernels.cpu.decoder_stack), or None.
         self.stack: Any = ops.decoder_stack(self) if ops.decoder_stack is not None else None
 
@@ -156,9 +167,9 @@ class LlamaForCausalLM:
             q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            ops.rotary(q, k, positions, self.cos_sin_cache)
             key_cache, value_cache = kv_views[i]
-            ops.store_kv(k, v, key_cache, value_cache, attn.slot_mapping)
+            self.rotary_store_kv(q, k, v, positions, self.cos_sin_cache, key_cache, value_cache,
+                                 attn.slot_mapping)
             out = ops.paged_attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
                                       attn.cu_seqlens_q, attn.max_seqlen_q, self.scale)
             hidden = mm(out.reshape(num_tokens, self.q_size), layer.o_weight)
