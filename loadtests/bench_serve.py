@@ -2,6 +2,7 @@
 
     python -m loadtests.bench_serve [--modes colocated,nixl,grpc] [--itl-tokens 64]
                                     [--load-requests 32] [--load-concurrency 1,16]
+                                    [--model PATH] [--device cuda]
     pdserve bench serve ...
 
 1. Offline: the engine's own per-token decode time at batch 1 and 8 (``LLM.generate``, prefill
@@ -11,7 +12,8 @@
    concurrency 1 and 8, set against (1) at the same thread count; then the load: 196-token
    prompts, 128 new tokens, streaming, ``--load-requests`` requests at each concurrency
    (fewer at concurrency 1, ``--load-requests-c1``): output tokens/s, TTFT and ITL, and failed
-   requests by HTTP status.
+   requests by HTTP status, set against the offline engine's output tok/s at the same
+   concurrency (the same prompts, ``LLM.generate``).
 
 Modes: ``colocated`` (router + one engine on all cores); ``nixl`` and ``grpc`` (router + 1
 prefill + 1 decode worker sharing every core, as ``pdserve up`` runs them, KV over that
@@ -51,11 +53,16 @@ def prompts(tokenizer, length: int, count: int, salt: int = 0) -> list[list[int]
     return [base[start:start + length] for start in starts]
 
 
-def offline_ms_per_token(loaded, num_threads: int, batches: tuple[int, ...], tokens: int) -> dict[int, float]:
-    """Per-token decode time (ms, prefill excluded) of the offline engine at each batch size."""
-    from engine import LLM, SamplingParams
+def offline_llm(loaded, num_threads: int, device: str):
+    from engine import LLM
 
-    llm = LLM(loaded, num_threads=num_threads, enable_prefix_caching=False)
+    return LLM(loaded, num_threads=num_threads, enable_prefix_caching=False, device=device)
+
+
+def offline_ms_per_token(llm, loaded, batches: tuple[int, ...], tokens: int) -> dict[int, float]:
+    """Per-token decode time (ms, prefill excluded) of the offline engine at each batch size."""
+    from engine import SamplingParams
+
     result = {}
     for batch in batches:
         batch_prompts = prompts(loaded.tokenizer, 24, batch, salt=batch)
@@ -68,6 +75,18 @@ def offline_ms_per_token(loaded, num_threads: int, batches: tuple[int, ...], tok
         first, full = min(run(1) for _ in range(2)), min(run(tokens + 1) for _ in range(2))
         result[batch] = (full - first) / tokens * 1e3
     return result
+
+
+def offline_rate(llm, loaded, concurrency: int, num_requests: int, args) -> float:
+    """Output tok/s of the offline engine on the load's prompts, ``concurrency`` at a time."""
+    from engine import SamplingParams
+
+    batch = prompts(loaded.tokenizer, args.load_prompt_len, num_requests, salt=1000 + concurrency)
+    params = SamplingParams(temperature=0, max_tokens=args.load_max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    for i in range(0, len(batch), concurrency):
+        llm.generate(batch[i:i + concurrency], params)
+    return len(batch) * args.load_max_tokens / (time.perf_counter() - started)
 
 
 async def itl(base_url: str, model: str, concurrency: int, tokens: int, tokenizer) -> list[float]:
@@ -120,26 +139,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-max-tokens", type=int, default=128)
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--up-args", default="", help="extra flags for every pdserve up")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument("--device", default="cpu", help="torch device of the engines (cuda: one GPU for all)")
     args = parser.parse_args(argv)
     from engine.models.loader import load_model
     from kernels.cpu import cpu_identity
 
     modes = args.modes.split(",")
-    loaded = load_model(None)
-    offline = {t: offline_ms_per_token(loaded, t, (1, 8), args.itl_tokens)
-               for t in sorted({decode_threads(m) for m in modes})}
+    loaded = load_model(args.model)
+    concurrencies = [] if args.skip_load else list(map(int, args.load_concurrency.split(",")))
+    offline, offline_load = {}, {}
+    for threads in sorted({decode_threads(m) for m in modes}):
+        llm = offline_llm(loaded, threads, args.device)
+        offline[threads] = offline_ms_per_token(llm, loaded, (1, 8), args.itl_tokens)
+        offline_load[threads] = {
+            c: offline_rate(llm, loaded, c, args.load_requests_c1 if c == 1 else args.load_requests, args)
+            for c in concurrencies}
+        del llm
+    up_args = [*(["--model", args.model] if args.model else []), "--device", args.device, *args.up_args.split()]
     served: dict[str, dict] = {}
     for mode in modes:
-        with running_cluster([*MODES[mode], *args.up_args.split()]) as cluster:
+        with running_cluster([*MODES[mode], *up_args]) as cluster:
             row = {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer))
                    for c in (1, 8)}
             if not args.skip_load:
-                for c in map(int, args.load_concurrency.split(",")):
+                for c in concurrencies:
                     n = args.load_requests_c1 if c == 1 else args.load_requests
                     row[f"load {c}"] = asyncio.run(load(cluster.http_url, cluster.model, c, n, loaded.tokenizer, args))
             served[mode] = row
 
-    print(f"{len(os.sched_getaffinity(0))} CPUs: {cpu_identity()}")
+    print(f"{len(os.sched_getaffinity(0))} CPUs: {cpu_identity()}; engines on {args.device}")
     print("\nstreaming ITL through pdserve up vs the offline engine's per-token time (same threads)")
     print(f"{'mode':10s}{'threads':>8s}{'batch':>6s}{'offline ms':>11s}{'ITL p50 ms':>11s}"
           f"{'ITL mean':>9s}{'p50/offline':>12s}")
@@ -166,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
             if mode == "colocated":
                 colocated_rate[c] = rate
             failed = ",".join(f"{n}x{s or 'conn'}" for s, n in r["failed"].items()) or "0"
-            ratio = (f"  ({rate / colocated_rate[c]:.2f}x colocated)"
-                     if mode != "colocated" and colocated_rate.get(c) else "")
+            ratio = f"  ({rate / offline_load[decode_threads(mode)][c]:.2f}x offline"
+            ratio += (f", {rate / colocated_rate[c]:.2f}x colocated)"
+                      if mode != "colocated" and colocated_rate.get(c) else ")")
             print(f"{mode:10s}{c:5d}{r['ok'] + sum(r['failed'].values()):5d}{failed:>16s}{rate:10.1f}"
                   f"{percentile(r['ttft'], .5):11.2f}{percentile(r['ttft'], .99):11.2f}"
                   f"{percentile(r['itl'], .5) * 1e3:11.1f}{ratio}")

@@ -115,6 +115,16 @@ class Tokenizer:
                    eos_token_ids=end_of_turn_ids(eos_ids, backend, template), chat_template=template,
                    special_tokens=special)
 
+    def save_hf(self, model_dir: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json, which ``from_hf_dir`` reads back (the
+        GPU check ships the default model's tokenizer this way to a machine without the GGUF)."""
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(model_dir / "tokenizer.json"))
+        config = {"bos_token": self._bos_token, "eos_token": self._eos_token,
+                  "chat_template": self._chat_template}
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows, added tokens included."""

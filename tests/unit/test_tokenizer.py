@@ -199,3 +199,18 @@ def test_hf_directory_tokenizer_equals_hf(hf_tokenizer, tmp_path):
     assert tokenizer.eos_token_ids == (2,)
     assert tokenizer.bos_token_id == 1
     assert tokenizer.vocab_size == 49152
+
+
+def test_save_hf_round_trips_the_default_tokenizer(tmp_path):
+    from engine.models.loader import load_tokenizer
+    from engine.models.tokenizer import Tokenizer
+
+    tokenizer = load_tokenizer()
+    tokenizer.save_hf(tmp_path)
+    again = Tokenizer.from_hf_dir(tmp_path)
+    text = "The sky is blue. <|im_start|>user\nhi<|im_end|>"
+    assert again.encode(text) == tokenizer.encode(text)
+    assert (again.bos_token_id, again.eos_token_ids, again.chat_template) == (
+        tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.chat_template)
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    assert again.encode_chat(messages) == tokenizer.encode_chat(messages)

@@ -1,0 +1,308 @@
+"""pdserve on one CUDA GPU against HF transformers and the bandwidth bound, in one run.
+
+    python -m loadtests.bench_gpu STAGE [STAGE ...] [--models-dir DIR] [--out DIR]
+    stages: env parity speed-smol speed-1b7; tokenizer (on a machine with the default model: writes
+    its tokenizer to --tokenizer-dir for the machines without it)
+    DRY=1 python -m loadtests.bench_gpu ...   the same on the CPU with 2-layer models (checks the script)
+
+Models: random weights in the exact shapes of SmolLM2-135M and SmolLM2-1.7B, written as HF
+directories by transformers with the SmolLM2 tokenizer (``loadtests/gpu/prepare.sh`` exports it
+from the default GGUF: a GPU machine has neither the GGUF nor a network), so parity is checked
+against HF on the same weights.
+
+- env: the GPU, and its copy bandwidth (bytes read + written per second of a 2 GiB device copy).
+- parity: fp32 greedy, 6 prompts of 24 to 1,000 tokens, 24 new tokens: the Triton backend with
+  decode graphs and with ``enforce_eager`` against HF; bf16 against pdserve's torch backend.
+- speed-smol / speed-1b7 (bf16, the engine's defaults for CUDA): batch-1 decode tok/s against the
+  bound (bf16 weight bytes / read bandwidth, read = half the copy rate), prefill tok/s, output
+  tok/s of 1/16/64/256 concurrent 128-token prompts x 128 tokens; HF ``generate`` (sdpa) at
+  batch 1 and 64 in the same run, each pdserve number printed as a ratio to its baseline.
+One JSON line per measurement on stdout and in ``<out>/results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DRY = os.environ.get("DRY") == "1"
+DEVICE = "cpu" if DRY else "cuda"
+SHAPES: dict[str, dict[str, Any]] = {
+    "smol135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                     max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "smol1b7": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                    num_attention_heads=32, num_key_value_heads=32, head_dim=64, rope_theta=130000.0,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
+if DRY:
+    SHAPES = {k: dict(v, num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32) for k, v in SHAPES.items()}
+TEXT = ("The history of computing is a story of ideas, machines and people. Engineers built relays, "
+        "then tubes, then transistors; each step made the next possible. ") * 300
+
+
+class Log:
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "results.jsonl"
+
+    def __call__(self, **row: Any) -> None:
+        row["t"] = round(time.time(), 1)
+        line = json.dumps(row)
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_model(models_dir: Path, tokenizer_dir: Path, name: str, dtype: torch.dtype, log: Log) -> Path:
+    """An HF directory of random weights in the shape ``name`` (built once, on the device)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = models_dir / f"{name}-{str(dtype).removeprefix('torch.')}"
+    if (directory / "config.json").exists():
+        return directory
+    started = time.perf_counter()
+    config = LlamaConfig(**SHAPES[name], bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config)
+    model.to(dtype).save_pretrained(directory, safe_serialization=True)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / file).write_bytes((tokenizer_dir / file).read_bytes())
+    log(stage="make_model", name=name, dtype=str(dtype), seconds=round(time.perf_counter() - started, 1))
+    return directory
+
+
+def prompts(tokenizer: Any, length: int, count: int, offset: int = 0) -> list[list[int]]:
+    base = tokenizer.encode(TEXT)
+    return [base[offset + i * 11: offset + i * 11 + length] for i in range(count)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def pdserve(directory: Path, dtype: str, backend: str, **engine_args: Any) -> Any:
+    from engine import LLM
+
+    os.environ["PDSERVE_ATTENTION_BACKEND"] = backend
+    return LLM(str(directory), device=DEVICE, dtype=dtype, max_model_len=4096, cpu_offload_gb=0, **engine_args)
+
+
+def hf(directory: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(DEVICE).eval()
+
+
+def hf_generate_seconds(model: Any, batch: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(batch, device=DEVICE)
+    sync()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    sync()
+    return time.perf_counter() - started
+
+
+def generate_seconds(llm: Any, batch: list[list[int]], new_tokens: int) -> float:
+    from engine import SamplingParams
+
+    sync()
+    started = time.perf_counter()
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    sync()
+    assert all(len(o.token_ids) == new_tokens for o in outputs)
+    return time.perf_counter() - started
+
+
+def decode_rate(seconds: Any, new_tokens: int, batch: int) -> float:
+    """Output tok/s of decode alone: (T(n + 1) - T(1)) removes the prefill and the first token."""
+    full = min(seconds(new_tokens + 1) for _ in range(2))
+    first = min(seconds(1) for _ in range(2))
+    return batch * new_tokens / (full - first)
+
+
+def stage_env(args: argparse.Namespace, log: Log) -> None:
+    import triton
+
+    info: dict[str, Any] = dict(torch=torch.__version__, triton=triton.__version__, device=DEVICE)
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sms=props.multi_processor_count, mem_gib=round(props.total_memory / 2**30, 1),
+                    driver=_driver())
+    info["copy_tb_s"] = round(copy_bandwidth() / 1e12, 3)
+    log(stage="env", **info)
+
+
+def _driver() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        return repr(error)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a device-to-device copy (2 GiB on CUDA)."""
+    size = (2 << 30) if DEVICE == "cuda" else (256 << 20)
+    x = torch.empty(size, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    started = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    return 2 * size * 10 / (time.perf_counter() - started)
+
+
+def stage_parity(args: argparse.Namespace, log: Log) -> None:
+    from engine import SamplingParams
+    from engine.models.loader import load_tokenizer
+
+    directory = make_model(args.models_dir, args.tokenizer_dir, "smol135m", torch.float32, log)
+    tokenizer = load_tokenizer(str(directory))
+    batch = prompts(tokenizer, 24, 3) + prompts(tokenizer, 200, 2, offset=5) + prompts(tokenizer, 1000, 1, offset=3)
+    new_tokens = 8 if DRY else 24
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    model = hf(directory, torch.float32)
+    reference = [hf_generate_once(model, p, new_tokens) for p in batch]
+    del model
+    triton = "torch" if DRY else "triton"
+    runs = {("float32", triton, False): "fp32 graphs", ("float32", triton, True): "fp32 eager",
+            ("bfloat16", triton, False): "bf16 graphs", ("bfloat16", "torch", True): "bf16 torch backend"}
+    tokens = {}
+    for (dtype, backend, eager), label in runs.items():
+        try:
+            llm = pdserve(directory, dtype, backend, enforce_eager=eager, num_kv_blocks=512)
+            tokens[label] = [o.token_ids for o in llm.generate(batch, greedy)]
+            llm.engine.check_integrity()
+            del llm
+        except Exception:  # noqa: BLE001 - a stage reports its failure and the run goes on
+            log(stage="parity", run=label, error=traceback.format_exc()[-3000:])
+    for label, outs in tokens.items():
+        versus = reference if label.startswith("fp32") else tokens.get("bf16 torch backend", [])
+        log(stage="parity", run=label, versus="hf fp32" if label.startswith("fp32") else "bf16 torch backend",
+            equal_prefix=[common_prefix(a, b) for a, b in zip(outs, versus)], of=new_tokens,
+            prompt_lens=[len(p) for p in batch])
+    _free()
+
+
+def hf_generate_once(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=DEVICE)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return list(out[0, len(prompt):].tolist())
+
+
+def weight_bytes(name: str) -> int:
+    s = SHAPES[name]
+    per_layer = (s["hidden_size"] * s["head_dim"] * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
+                 + 3 * s["hidden_size"] * s["intermediate_size"])
+    return 2 * (s["vocab_size"] * s["hidden_size"] + s["num_hidden_layers"] * per_layer)  # bf16
+
+
+def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
+    from engine.models.loader import load_tokenizer
+
+    directory = make_model(args.models_dir, args.tokenizer_dir, name, torch.bfloat16, log)
+    tokenizer = load_tokenizer(str(directory))
+    new_tokens = 16 if DRY else 128
+    concurrency = (1, 4) if DRY else (1, 16, 64, 256)
+    read_bandwidth = copy_bandwidth() / 2
+    bound = read_bandwidth / weight_bytes(name)
+    row: dict[str, Any] = dict(stage="speed", model=name, weight_gb=round(weight_bytes(name) / 1e9, 3),
+                               bound_b1_tok_s=round(bound, 1))
+    try:
+        llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
+        generate_seconds(llm, prompts(tokenizer, 128, 4, offset=999), 8)
+        one = prompts(tokenizer, 128, 1, offset=7)
+        b1 = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
+        row.update(decode_b1_tok_s=round(b1, 1), b1_vs_bound=round(b1 / bound, 3),
+                   num_kv_blocks=llm.engine.runner.num_blocks,
+                   graphs=len(llm.engine.runner.decode_graphs.sizes))
+        long = prompts(tokenizer, 512, 4 if DRY else 16, offset=13)
+        row["prefill_tok_s"] = round(sum(map(len, long)) / generate_seconds(llm, long, 1), 1)
+        for c in concurrency:
+            batch = prompts(tokenizer, 128, c, offset=17 + c)
+            row[f"out_tok_s_c{c}"] = round(c * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
+        del llm
+    except Exception:  # noqa: BLE001
+        row["error"] = traceback.format_exc()[-3000:]
+    _free()
+    try:
+        model = hf(directory, torch.bfloat16)
+        for b in (1, 4) if DRY else (1, 64):
+            batch = prompts(tokenizer, 128, b, offset=17 + b)
+            hf_generate_seconds(model, batch, 2)
+            rate = decode_rate(lambda n, batch=batch, model=model: hf_generate_seconds(model, batch, n), new_tokens, b)
+            row[f"hf_decode_b{b}_tok_s"] = round(rate, 1)
+        del model
+    except Exception:  # noqa: BLE001
+        row["hf_error"] = traceback.format_exc()[-3000:]
+    if "decode_b1_tok_s" in row and "hf_decode_b1_tok_s" in row:
+        row["b1_vs_hf"] = round(row["decode_b1_tok_s"] / row["hf_decode_b1_tok_s"], 2)
+    big = max(concurrency[1:] or concurrency)
+    hf_big = "hf_decode_b4_tok_s" if DRY else "hf_decode_b64_tok_s"
+    if f"out_tok_s_c{big}" in row and hf_big in row:
+        row[f"c{big}_vs_hf_{hf_big.split('_')[2]}"] = round(row[f"out_tok_s_c{big}"] / row[hf_big], 2)
+    log(**row)
+    _free()
+
+
+def _free() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def stage_tokenizer(args: argparse.Namespace, log: Log) -> None:
+    from engine.models.loader import load_tokenizer
+
+    load_tokenizer().save_hf(args.tokenizer_dir)
+    log(stage="tokenizer", wrote=str(args.tokenizer_dir))
+
+
+STAGES = {"tokenizer": stage_tokenizer, "env": stage_env, "parity": stage_parity,
+          "speed-smol": lambda a, log: stage_speed("smol135m", a, log),
+          "speed-1b7": lambda a, log: stage_speed("smol1b7", a, log)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("stages", nargs="+", choices=sorted(STAGES))
+    parser.add_argument("--models-dir", type=Path, default=Path(os.environ.get("MODELS_DIR", "/tmp/pdserve-models")))
+    parser.add_argument("--tokenizer-dir", type=Path, default=Path(".gpu/model"),
+                        help="tokenizer.json + tokenizer_config.json (loadtests/gpu/prepare.sh)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results/gpu")))
+    args = parser.parse_args(argv)
+    log = Log(args.out)
+    for stage in args.stages:
+        started = time.perf_counter()
+        try:
+            STAGES[stage](args, log)
+        except Exception:  # noqa: BLE001
+            log(stage=stage, error=traceback.format_exc()[-3000:])
+        log(stage=stage, done=True, seconds=round(time.perf_counter() - started, 1))
+
+
+if __name__ == "__main__":
+    main()

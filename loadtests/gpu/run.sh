@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On a bare CUDA machine, from the checkout's root (after loadtests/gpu/prepare.sh, carrying .gpu/):
+# the native kernel tests, HF parity with graphs on and off, the offline speed table against HF and
+# the bandwidth bound, then `pdserve up --device cuda` under load against the offline engine. Results
+# under $OUT (raw JSON lines, pytest output, served-load tables). About 6 minutes on an H200.
+#   STAGES="env parity speed-smol speed-1b7" SERVE=1 bash loadtests/gpu/run.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_out} MODELS_DIR=${MODELS_DIR:-/tmp/pdserve-models}
+export PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL=1
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 3
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+start=$(date +%s)
+elapsed() { echo "elapsed $(( $(date +%s) - start )) s"; }
+timeout 200 python3 -m pytest -q -p no:cacheprovider -x --durations=10 tests/kernels tests/unit/test_cuda_graphs.py \
+  -k "not cpu_ and not calibration" > "$OUT/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest.txt"
+tail -15 "$OUT/pytest.txt"; elapsed
+timeout 300 python3 -m loadtests.bench_gpu ${STAGES:-env parity speed-smol speed-1b7} --tokenizer-dir .gpu/model \
+  --out "$OUT" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/bench_gpu.txt"; elapsed
+if [ "${SERVE:-1}" = 1 ]; then
+  model=$(ls -d "$MODELS_DIR"/smol1b7-bfloat16 2>/dev/null || ls -d "$MODELS_DIR"/smol135m-bfloat16)
+  timeout 240 python3 -m loadtests.bench_serve --model "$model" --device cuda --modes colocated,grpc \
+    --load-concurrency 1,64 --load-requests 128 --load-prompt-len 128 --load-max-tokens 128 \
+    --up-args "--kvstore-gib 0 --cpu-offload-gb 0" 2>&1 | tee "$OUT/bench_serve.txt"; elapsed
+fi
