@@ -78,9 +78,10 @@ class EngineArgs:
                                    "bf16 (half fp32's bytes), or 8-bit codes with a per-token, "
                                    "per-head fp32 scale (int8, fp8 = float8_e4m3fn)",
                                    choices=KV_CACHE_DTYPES)
-    weight_format: str = _setting("auto", "matmul weights: the GGUF's own blocks where a kernel "
-                                  "reads them (auto: float32 activations only, as on a CPU), fp32, "
-                                  "or all Q8_0 / 4-bit", choices=WEIGHT_FORMATS)
+    weight_format: str = _setting(EngineConfig.weight_format, "matmul weights: fp32 (dense, in "
+                                  "--dtype), the GGUF's own blocks where a kernel reads them (auto: "
+                                  "float32 activations, as on a CPU), or all Q8_0 / 4-bit",
+                                  choices=WEIGHT_FORMATS)
     enforce_eager: bool = _setting(False, "CUDA: run decode steps eagerly instead of replaying "
                                    "captured CUDA graphs")
     num_threads: int = _setting(EngineConfig.num_threads,
