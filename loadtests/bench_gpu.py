@@ -12,7 +12,10 @@ against HF on the same weights.
 
 - env: the GPU, and its copy bandwidth (bytes read + written per second of a 2 GiB device copy).
 - parity: fp32 greedy, 6 prompts of 24 to 1,000 tokens, 24 new tokens: the Triton backend with
-  decode graphs and with ``enforce_eager`` against HF; bf16 against pdserve's torch backend.
+  decode graphs and with ``enforce_eager`` against HF; bf16 against pdserve's torch backend;
+  ``--weight-format q4`` (the Triton GEMV on 4-bit blocks) against the dense engine serving the
+  same blocks dequantized (random weights give near-flat logits: q4 against the original fp32
+  weights flips the first token, against its own dequantized values it must not).
 - speed-smol / speed-1b7 (bf16, the engine's defaults for CUDA): batch-1 decode tok/s against the
   bound (bf16 weight bytes / read bandwidth, read = half the copy rate), prefill tok/s, output
   tok/s of 1/16/64/256 concurrent 128-token prompts x 128 tokens; HF ``generate`` (sdpa) at
@@ -198,12 +201,36 @@ def stage_parity(args: argparse.Namespace, log: Log) -> None:
             del llm
         except Exception:  # noqa: BLE001 - a stage reports its failure and the run goes on
             log(stage="parity", run=label, error=traceback.format_exc()[-3000:])
+    q4, dense = q4_against_its_dequantized_weights(directory, batch, greedy)
+    log(stage="parity", run="fp32 q4 blocks", versus="dense on the dequantized blocks",
+        equal_prefix=[common_prefix(a, b) for a, b in zip(q4, dense)], of=new_tokens)
     for label, outs in tokens.items():
         versus = reference if label.startswith("fp32") else tokens.get("bf16 torch backend", [])
         log(stage="parity", run=label, versus="hf fp32" if label.startswith("fp32") else "bf16 torch backend",
             equal_prefix=[common_prefix(a, b) for a, b in zip(outs, versus)], of=new_tokens,
             prompt_lens=[len(p) for p in batch])
     _free()
+
+
+def q4_against_its_dequantized_weights(directory: Path, batch: list[list[int]], greedy: Any
+                                       ) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of ``--weight-format q4`` and of the dense engine on the q4 plan's values."""
+    import dataclasses
+
+    from engine import LLM
+    from engine.models.loader import load_model
+    from engine.models.quant_weights import plan_quantized
+    from kernels.quant import dequantize
+
+    loaded = load_model(str(directory))
+    plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, "q4")
+    assert plan is not None
+    dequantized = dataclasses.replace(loaded, weights={**loaded.weights, **{n: dequantize(r) for n, r in plan.items()}})
+    os.environ["PDSERVE_ATTENTION_BACKEND"] = "torch" if DRY else "triton"
+    common = dict(device=DEVICE, dtype="float32", max_model_len=4096, cpu_offload_gb=0, num_kv_blocks=512)
+    q4 = [o.token_ids for o in LLM(loaded, weight_format="q4", **common).generate(batch, greedy)]
+    dense = [o.token_ids for o in LLM(dequantized, weight_format="fp32", **common).generate(batch, greedy)]
+    return q4, dense
 
 
 def hf_generate_once(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
