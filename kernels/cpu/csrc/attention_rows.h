@@ -18,26 +18,26 @@ struct F32Rows {
   static constexpr int64_t kScaleBytes = 0;
 };
 
+// A quantized row's fp32 scale, stored after its head_dim one-byte codes (kernels/kv_quant.py).
+inline float stored_scale(const void* row, int64_t head_dim) {
+  float s;
+  std::memcpy(&s, static_cast<const unsigned char*>(row) + head_dim, sizeof s);
+  return s;
+}
+
 struct Int8Rows {
   using T = signed char;
   static constexpr int64_t kScaleBytes = 4;
   static vfloat load(const T* p) { return vload_int8(p); }
-  static float scale(const T* row, int64_t head_dim) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof s);
-    return s;
-  }
+  static float scale(const T* row, int64_t head_dim) { return stored_scale(row, head_dim); }
 };
 
+// float8_e4m3fn codes: the 2^120 exponent bias of the widening (vload_fp8) is folded into the scale.
 struct Fp8Rows {
   using T = unsigned char;
   static constexpr int64_t kScaleBytes = 4;
   static vfloat load(const T* p) { return vload_fp8(p); }
-  static float scale(const T* row, int64_t head_dim) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof s);
-    return s * kFp8Bias;
-  }
+  static float scale(const T* row, int64_t head_dim) { return stored_scale(row, head_dim) * kFp8Bias; }
 };
 
 // bfloat16 rows: no scale; widened in registers like the 1-byte codes.
