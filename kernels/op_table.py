@@ -35,7 +35,7 @@ class Ops:
     decoder_stack: Callable[..., Any] | None = None
     stack_max_tokens: int = 0
     # the greedy sample [N, V] -> [int] | None, where compiled (not measured per size: one pass
-    # that gives the same indices; 4.6 vs torch's 30 us at a 49k vocabulary, docs/benchmarks.md)
+    # that gives the same indices; 4.6 vs torch's 30 us at a 49k vocabulary, docs/benchmark-log.md)
     argmax_rows: Callable[[torch.Tensor], list[int] | None] | None = None
 
 

@@ -156,7 +156,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // torch.max(logits, dim=-1) returns, where its values are finite. A greedy decode step's
 // sample: torch's max over a 49152-token vocabulary took 0.11 ms per token inside the decode
 // loop (its reduction machinery on logits the LM head's threads just wrote; 30 us alone), this
-// pass 0.04 ms there with the Python around it (4.6 us alone; docs/benchmarks.md, issue 18).
+// pass 0.04 ms there with the Python around it (4.6 us alone; docs/benchmark-log.md, issue 18).
 // One thread: the row sits in the caches the LM head wrote it to.
 std::vector<int64_t> row_argmax(const at::Tensor& logits) {
   check_tensor("logits", logits, {-1, -1}, Kind::kFloat32);
