@@ -36,7 +36,9 @@ import os
 
 import torch
 
-from kernels.op_table import Ops, compiled_ops, torch_ops
+from kernels.op_table import Ops as Ops  # re-exported: the model types its op table as kernels.ops.Ops
+from kernels.op_table import compiled_ops as compiled_ops
+from kernels.op_table import torch_ops
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
