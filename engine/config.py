@@ -169,7 +169,7 @@ class SpecConfig:
     ngram: prompt lookup; layer-skip: the target's first ``num_layers`` layers + final norm +
     LM head draft (sharing the target's KV for those layers); draft: a separate model at
     ``draft_model`` with the same tokenizer. ``max_batch``: at or above this many running
-    requests nobody speculates (see docs/benchmarks.md for how it was measured).
+    requests nobody speculates (see docs/benchmark-log.md for how it was measured).
     ``draft_cost``: what one draft token costs, in target decode steps; None estimates it from
     weight bytes (0 for n-gram). Adaptive k stops drafting where drafts cost more than they save.
     """

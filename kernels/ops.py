@@ -36,39 +36,15 @@ docstring.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from kernels.quant import pack_quant_ref, quant_linear_ref
+from kernels.op_table import Ops as Ops  # re-exported: the model types its op table as kernels.ops.Ops
+from kernels.op_table import compiled_ops as compiled_ops
+from kernels.op_table import torch_ops
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
-
-
-@dataclass(frozen=True)
-class Ops:
-    rms_norm: Callable[..., Any]  # out, or (out, residual_out) when given a residual
-    rotary: Callable[..., None]  # in place on q and k
-    silu_and_mul: Callable[..., torch.Tensor]
-    store_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    pack_linear: Callable[[torch.Tensor], Any]  # a weight only ``linear`` reads (backend's own)
-    linear: Callable[[torch.Tensor, Any], torch.Tensor]
-    pack_quant: Callable[..., Any] = pack_quant_ref  # default: the dequantize-then-matmul reference
-    quant_linear: Callable[..., torch.Tensor] = quant_linear_ref
-    norm_quant_linear: Callable[..., Any] | None = None  # fused rms_norm + quant_linear, where compiled
-    # model -> its layers in one compiled call (kernels.cpu.decoder_stack.build), or None; used for
-    # steps of at most stack_max_tokens tokens (where every op of the step is the compiled one)
-    decoder_stack: Callable[..., Any] | None = None
-    stack_max_tokens: int = 0
-    # the greedy sample [N, V] -> [int] | None, where compiled (not measured per size: one pass
-    # that gives the same indices; 4.6 vs torch's 30 us at a 49k vocabulary, docs/benchmarks.md)
-    argmax_rows: Callable[[torch.Tensor], list[int] | None] | None = None
-    rotary_store_kv: Callable[..., None] | None = None  # fused rotary + store_kv, where written
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -95,15 +71,7 @@ def get_ops(backend: str, dims=None) -> Ops:
     from kernels.linear import linear_ref, pack_linear_ref
 
     if backend == "torch":
-        from kernels.activation import silu_and_mul_ref
-        from kernels.paged_attention_ref import paged_attention_ref
-        from kernels.rms_norm import rms_norm_ref
-        from kernels.rotary import rotary_ref
-        from kernels.store_kv import store_kv_ref
-
-        return Ops(rms_norm=rms_norm_ref, rotary=rotary_ref, silu_and_mul=silu_and_mul_ref,
-                   store_kv=store_kv_ref, paged_attention=paged_attention_ref,
-                   pack_linear=pack_linear_ref, linear=linear_ref)
+        return torch_ops()
     if backend == "cpu":
         if dims is None:
             return compiled_ops()
@@ -127,18 +95,3 @@ def get_ops(backend: str, dims=None) -> Ops:
                    pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear,
                    rotary_store_kv=rotary_store_kv)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
-
-
-def compiled_ops() -> Ops:
-    """The compiled CPU kernels for every op (``$PDSERVE_CPU_ISA``)."""
-    from kernels.cpu import elementwise
-    from kernels.cpu.attention import paged_attention
-    from kernels.cpu.decoder_stack import build as build_stack
-    from kernels.cpu.linear import linear, pack_weight
-    from kernels.quant_cpu import pack, quant_linear, rms_norm_quant_linear
-
-    return Ops(rms_norm=elementwise.rms_norm, rotary=elementwise.rotary,
-               silu_and_mul=elementwise.silu_and_mul, store_kv=elementwise.store_kv,
-               paged_attention=paged_attention, pack_linear=pack_weight, linear=linear,
-               pack_quant=pack, quant_linear=quant_linear, norm_quant_linear=rms_norm_quant_linear,
-               decoder_stack=build_stack, stack_max_tokens=sys.maxsize, argmax_rows=elementwise.row_argmax)

@@ -43,7 +43,6 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from services.common.engine_flags import add_engine_arguments, engine_args_from,
 from services.common.grpc_server import DEFAULT_GRACE_S
 from services.common.health import SERVING, check_health
 from services.common.internal_auth import TOKEN_ENV, add_internal_auth_arguments, install_from_args
+from services.common.ports import free_port
 from services.common.settings import add_env_argument
 from services.index.redis_server import EmbeddedRedis
 from services.index.settings import add_redis_url_argument
@@ -154,12 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_internal_auth_arguments(parser)
     add_engine_arguments(parser)
     return parser
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def nixl_usable(env: dict[str, str]) -> str | None:

@@ -1,14 +1,69 @@
-"""Session-wide fixtures: the default model loaded once, by us and by the HF oracle."""
+"""Session-wide fixtures (the default model loaded once, by us and by the HF oracle) and the
+markers every test gets from where it lives and what it starts:
+
+- ``cluster``: the module starts real service processes (a worker, router, kvstore or
+  ``pdserve up`` child, a gRPC server child, Ray Serve); ``pytest -m "not cluster"`` runs the
+  in-process rest. A module is one when its source calls a process-starting helper or starts
+  such a child (``CLUSTER_SOURCE``); a test the rule misses can say ``@pytest.mark.cluster``.
+- ``gpu``: needs CUDA; every test under ``tests/gpu/`` or using the ``cuda_device`` fixture.
+  Without CUDA they are skipped, with the reason.
+- ``slow`` stays as the modules set it (end-to-end tests, the oracle model).
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 # Set on a machine that cannot have the default GGUF (the GPU check, ``loadtests/gpu/run.sh``): tests that
 # need it skip with the reason instead of erroring. Unset (``make test``), a missing model fails.
 ALLOW_NO_DEFAULT_MODEL_ENV = "PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL"
+
+
+# What starts a service process in a test module's source: the cluster helpers of
+# tests/integration (cluster_fixtures, auth_cluster) and loadtests.cluster, a child running
+# `python -m services.cli ...`, a gRPC server child (`-c SERVER`), spawned server processes, Ray.
+CLUSTER_SOURCE = re.compile(
+    r"\b(start_worker|start_router|start_kvstore|up_cluster|running_cluster|start_cluster)\("
+    r"|Popen\(.{0,200}?\"services\.cli\""
+    r"|\"-c\", SERVER\b"
+    r"|get_context\(\"spawn\"\)"
+    r"|\bray\.init\(", re.DOTALL)
+GPU_DIR = Path(__file__).parent / "gpu"
+
+
+@functools.cache
+def _starts_services(path: Path) -> bool:
+    return CLUSTER_SOURCE.search(path.read_text()) is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix == ".py" and _starts_services(path):
+            item.add_marker(pytest.mark.cluster)
+        if GPU_DIR in path.parents or "cuda_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False here")
+            for item in gpu_items:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_device():
+    """``torch.device("cuda")`` for a test that needs a GPU (it is marked ``gpu``; skipped without CUDA)."""
+    import torch
+
+    return torch.device("cuda")
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ PLACEHOLDER_TOKEN = 0  # a model drafter's slot before fill() writes the real dr
 # The target's extra cost per verified draft position, as a fraction of a one-token decode step
 # at batch 1: forward + logits at context 150 on the compiled CPU backend took 14.3 ms for one
 # position, 15.7 / 17.3 / 17.7 / 19.6 ms for 2 / 3 / 5 / 8 (0.10 per draft for 1-2 drafts,
-# 0.06 for 4-7; docs/benchmarks.md). Past ~3 rows the matmuls turn compute-bound: one draft per
+# 0.06 for 4-7; docs/benchmark-log.md). Past ~3 rows the matmuls turn compute-bound: one draft per
 # request adds 24% to the matmul time at batch 8 (M 8 -> 16: 15.6 -> 19.3 ms) and 57% at batch 16
 # (M 16 -> 32: 19.3 -> 30.4 ms, all layers + LM head), hence the knee.
 VERIFY_COST_PER_DRAFT = 0.08

@@ -6,7 +6,11 @@ Each C++ source ``csrc/<name>.cpp`` is one small library, compiled on first use 
 torch's version and, for ``native``, this CPU's model and flags (a cache directory may be shared by
 machines with different CPUs). Loops parallelise with ``at::parallel_for`` over torch's own OpenMP
 pool, so one thread pool serves the kernels and torch's small ops alike. ``csrc/vec.h`` is the
-shared SIMD vocabulary.
+shared SIMD vocabulary. The build list is ``csrc/*.cpp`` (``sources()``); the headers a source
+includes are split by what they do (``quant_format.h`` / ``quant_dot.h`` / ``quant_blocks.h`` /
+``quant_kquants.h`` under ``quant_tiles.h``; ``attention_rows.h`` / ``attention_query.h`` /
+``attention_tile.h`` / ``attention_work.h``; ``op_checks.h``, ``store_kv.h``) and compile into
+each library that includes them, so every ``*.h`` is part of every library's cache key.
 
 ISAs (``$PDSERVE_CPU_ISA``, default ``native``):
 

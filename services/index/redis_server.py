@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.ports import free_port
+
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 
@@ -51,13 +53,6 @@ def _die_with_parent() -> None:
     # In the child before exec: SIGTERM when the thread that started it exits (Linux prctl
     # PR_SET_PDEATHSIG), so a crashed launcher or test leaves no server behind.
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class EmbeddedRedis:

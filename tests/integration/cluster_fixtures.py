@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import grpc
 
 from services.common.health import SERVING, check_health
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,12 +49,6 @@ def oracle_llm(*args: Any, **kwargs: Any) -> Iterator[Any]:
 
     with one_thread():
         yield LLM(*args, **kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from services.common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -40,12 +41,6 @@ def load_compose(environ: dict[str, str] | None = None) -> dict[str, Any]:
         lambda m: "$" if m[0] == "$$" else environ.get(m["name"], m["default"] or ""),
         COMPOSE_FILE.read_text())
     return yaml.safe_load(text)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def loopback_services(compose: dict[str, Any]) -> dict[str, ComposeService]:

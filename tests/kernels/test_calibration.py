@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import calibration as cal
+from kernels.calibration_workloads import attention_workload
 from kernels.cpu import CpuKernelsUnavailable, available
 
 if not available():
@@ -70,7 +71,7 @@ def test_mixed_table_computes_what_the_references_compute(linear_split):
         torch.testing.assert_close(ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
     for q_len in (1, 5, 100, 600):  # a class each
         def run(o, q_len=q_len):
-            return cal._attention_workload(q_len, 4, 2, 16, o)()
+            return attention_workload(q_len, 4, 2, 16, o)()
         torch.manual_seed(q_len)
         got = run(ops)
         torch.manual_seed(q_len)

@@ -38,7 +38,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_query.h"
+#include "attention_rows.h"
 #include "attention_tile.h"
+#include "attention_work.h"
 #include "vec.h"
 
 namespace pdserve {
@@ -48,185 +51,10 @@ namespace {
 // took a third off the prefix-hit shape, 112 queries on 2k keys, whose items stream their
 // head's K/V from L3; 32 gained nothing more)
 constexpr int kRowsPerItem = 16;
-constexpr int kMaxHeadVectors = 256 / kLanes;  // head_dim up to 256
 constexpr int64_t kSerialCost = 8192;  // below this many (query head x key) dot products: one thread
 constexpr int64_t kItemsPerThread = 8;  // fewer items than this per thread: split their keys
 constexpr int64_t kMinSplitKeys = 256;  // ... into parts of at least this many keys
 constexpr int64_t kMinMultiQueries = 8;  // items with this many queries take the multi-query step
-
-// Lane permutations for transpose_sum (GCC __builtin_shuffle: index >= kLanes picks from the
-// second operand). Fold at width w = kLanes >> (level + 1): within each 2w-lane group, the
-// first w lanes come from a, the next w from b; "hi" takes the other half of each pair.
-template <std::size_t... L>
-constexpr std::array<vint, sizeof...(L)> make_folds(std::index_sequence<L...>) {
-  return {lanes_of([](int i) {
-    const int w = kLanes >> (L + 1), group = i / (2 * w) * 2 * w, pos = i % (2 * w);
-    return pos < w ? group + pos : kLanes + group + pos - w;
-  })...};
-}
-constexpr std::array<vint, kLog2Lanes> kFoldLo = make_folds(std::make_index_sequence<kLog2Lanes>{});
-
-constexpr int bit_reversed(int j) {
-  int r = 0;
-  for (int b = 0; b < kLog2Lanes; ++b) r |= ((j >> b) & 1) << (kLog2Lanes - 1 - b);
-  return r;
-}
-
-// kLanes vectors -> one: lane j = the lane sum of rows[bit_reversed(j)] (kLanes - 1 adds,
-// twice as many shuffles, instead of kLanes separate vsums)
-inline vfloat transpose_sum(vfloat* rows) {
-  int count = kLanes;
-  for (int level = 0; level < kLog2Lanes; ++level) {
-    count /= 2;
-    const vint lo = kFoldLo[level], hi = lo + (kLanes >> (level + 1));
-    for (int r = 0; r < count; ++r) {
-      const vfloat a = rows[2 * r], b = rows[2 * r + 1];
-      rows[r] = __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-    }
-  }
-  return rows[0];
-}
-
-// How a cache row is read: Rows::load(p) gives kLanes values of the row at p (before its
-// scale), Rows::scale(row, head_dim) the row's scale. F32Rows are read in place.
-struct F32Rows {
-  using T = float;
-  static constexpr int64_t kScaleBytes = 0;
-};
-
-struct Int8Rows {
-  using T = signed char;
-  static constexpr int64_t kScaleBytes = 4;
-  static vfloat load(const T* p) { return vload_int8(p); }
-  static float scale(const T* row, int64_t head_dim) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof s);
-    return s;
-  }
-};
-
-struct Fp8Rows {
-  using T = unsigned char;
-  static constexpr int64_t kScaleBytes = 4;
-  static vfloat load(const T* p) { return vload_fp8(p); }
-  static float scale(const T* row, int64_t head_dim) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof s);
-    return s * kFp8Bias;
-  }
-};
-
-// bfloat16 rows: no scale; widened in registers like the 1-byte codes.
-struct Bf16Rows {
-  using T = unsigned short;
-  static constexpr int64_t kScaleBytes = 0;
-  static vfloat load(const T* p) { return vload_bf16(p); }
-  static float scale(const T*, int64_t) { return 1.f; }
-};
-
-// n quantized rows -> fp32 rows of head_dim at dst (scale applied).
-template <class R>
-inline void dequantize_tile(const typename R::T* rows, int64_t stride, int64_t n, int nv, int64_t head_dim,
-                            float* dst) {
-  for (int64_t j = 0; j < n; ++j) {
-    const typename R::T* row = rows + j * stride;
-    const vfloat scale = vsplat(R::scale(row, head_dim));
-    for (int c = 0; c < nv; ++c) vstore(dst + j * head_dim + c * kLanes, R::load(row + c * kLanes) * scale);
-  }
-}
-
-// Ask for the K or V rows of the next block while this one computes: block ids are scattered,
-// so the hardware prefetcher cannot guess the jump.
-template <class T>
-inline void prefetch_rows(const T* rows, int64_t num_rows, int64_t stride, int64_t row_bytes) {
-  for (int64_t j = 0; j < num_rows; ++j)
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b);
-}
-
-// Integer tensors may be int32 or int64; read one element either way.
-struct IndexView {
-  const void* data;
-  int64_t stride;
-  bool is_int64;
-
-  explicit IndexView(const at::Tensor& t)  // 1-d
-      : data(t.data_ptr()), stride(t.stride(0)), is_int64(t.scalar_type() == at::kLong) {}
-
-  int64_t operator[](int64_t i) const {
-    return is_int64 ? static_cast<const int64_t*>(data)[i * stride]
-                    : static_cast<const int32_t*>(data)[i * stride];
-  }
-};
-
-struct Layout {
-  const float* query;  // [num_tokens, num_heads, head_dim]
-  int64_t q_stride_token, q_stride_head;
-  const void* key;  // [num_blocks, block_size, num_kv_heads, head_dim (+ 4 when quantized)]
-  const void* value;
-  int64_t k_stride_block, k_stride_slot, k_stride_head;
-  int64_t v_stride_block, v_stride_slot, v_stride_head;
-  float* out;
-  int64_t o_stride_token, o_stride_head;
-  const void* block_tables;
-  int64_t bt_stride_seq, bt_stride_block;
-  bool bt_is_int64;
-  int64_t block_size, group, head_dim;
-  float scale_log2;  // scale * log2(e): softmax runs in base 2
-
-  int64_t block_id(int64_t seq, int64_t index) const {
-    int64_t offset = seq * bt_stride_seq + index * bt_stride_block;
-    return bt_is_int64 ? static_cast<const int64_t*>(block_tables)[offset]
-                       : static_cast<const int32_t*>(block_tables)[offset];
-  }
-};
-
-struct WorkItem {
-  int64_t seq, kv_head;
-  int64_t first_token;  // row in query/out of this item's first query token
-  int64_t first_pos;    // its position in the sequence
-  int64_t num_rows;
-  int64_t key_begin, key_end;  // keys this item reads; key_begin is a multiple of block_size
-  int64_t partial;             // -1: write `out`; else its slot in Partials (split-KV)
-  int64_t cost() const { return num_rows * (key_end - key_begin); }
-};
-
-// Split-KV results: unnormalised accumulators with their running max and sum, per query.
-struct Partials {
-  int64_t max_queries, head_dim;
-  std::vector<float> acc, m, l;
-  Partials(int64_t num_slots, int64_t max_queries, int64_t head_dim)
-      : max_queries(max_queries), head_dim(head_dim), acc(num_slots * max_queries * head_dim),
-        m(num_slots * max_queries), l(num_slots * max_queries) {}
-};
-
-// Scratch of one thread, reused across its items: num_rows * group queries (padded to
-// kQueryPad for the multi-query step), one K and one V tile of kLanes rows (a quantized cache's
-// tiles, dequantized), the K tile transposed, and the tile's P and corrections per query.
-struct Scratch {
-  std::vector<float> q, acc, m, l, k_tile, v_tile, kt, p, corr;
-  explicit Scratch(int64_t max_queries, int64_t head_dim)
-      : q(round_up(max_queries, kQueryPad) * head_dim), acc(round_up(max_queries, kQueryPad) * head_dim),
-        m(round_up(max_queries, kQueryPad)), l(round_up(max_queries, kQueryPad)), k_tile(kLanes * head_dim),
-        v_tile(kLanes * head_dim), kt(kLanes * head_dim), p(round_up(max_queries, kQueryPad) * kLanes),
-        corr(round_up(max_queries, kQueryPad)) {}
-  TileRows rows() { return {q.data(), acc.data(), m.data(), l.data(), p.data(), corr.data()}; }
-};
-
-// Scores of one query against the keys of one tile, scaled to base 2: lane j = q . K_j for
-// j < visible, -inf beyond. NV = head_dim / kLanes when known at compile time, else 0.
-template <int NV>
-inline vfloat tile_scores(const float* q, const float* k_rows, int64_t k_stride, int64_t visible, int nv) {
-  vfloat dots[kLanes];
-#pragma GCC unroll 16
-  for (int j = 0; j < kLanes; ++j) {
-    vfloat dot{};
-    if (j < visible)
-      for (int c = 0; c < (NV ? NV : nv); ++c) dot += vload(q + c * kLanes) * vload(k_rows + j * k_stride + c * kLanes);
-    dots[bit_reversed(j)] = dot;
-  }
-  const vfloat scores = transpose_sum(dots);
-  return kIota < static_cast<int>(visible) ? scores : vsplat(-INFINITY);
-}
 
 template <class R, int NV>
 void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) {
@@ -271,31 +99,12 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
       prefetch_rows(key + next * L.k_stride_block + w.kv_head * L.k_stride_head, next_rows, L.k_stride_slot, row_bytes);
       prefetch_rows(value + next * L.v_stride_block + w.kv_head * L.v_stride_head, next_rows, L.v_stride_slot, row_bytes);
     }
+    auto visible = [&](int64_t i) { return std::min(n, w.first_pos + i / group - t0 + 1); };  // causal
     if (is_multi_query) {
       transpose_tile(k_rows, k_stride, n, L.head_dim, s.kt.data());
-      attend_tile_rows(s.rows(), nq, L.head_dim, s.kt.data(), n, v_rows, v_stride,
-                       [&](int64_t i) { return std::min(n, w.first_pos + i / group - t0 + 1); });
-      t0 += n;
-      continue;
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t visible = std::min(n, w.first_pos + i / group - t0 + 1);  // causal
-      if (visible <= 0) continue;
-      const vfloat scores = tile_scores<NV>(&s.q[i * L.head_dim], k_rows, k_stride, visible, nv);
-      // online softmax: rescale what was accumulated when the running max grows
-      const float m_new = std::max(s.m[i], vmax_lane(scores));
-      const float correction = std::exp2(s.m[i] - m_new);
-      const vfloat weights = vexp2(scores - m_new);
-      s.l[i] = s.l[i] * correction + vsum(weights);
-      s.m[i] = m_new;
-      float* acc_i = &s.acc[i * L.head_dim];
-      vfloat acc[kMaxHeadVectors];
-      for (int c = 0; c < nv; ++c) acc[c] = vload(acc_i + c * kLanes) * correction;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float weight = weights[j];
-        for (int c = 0; c < nv; ++c) acc[c] += weight * vload(v_rows + j * v_stride + c * kLanes);
-      }
-      for (int c = 0; c < nv; ++c) vstore(acc_i + c * kLanes, acc[c]);
+      attend_tile_rows(s.rows(), nq, L.head_dim, s.kt.data(), n, v_rows, v_stride, visible);
+    } else {
+      attend_tile_per_query<NV>(s.rows(), nq, L.head_dim, nv, k_rows, k_stride, n, v_rows, v_stride, visible);
     }
     t0 += n;
   }
@@ -311,27 +120,6 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
                  (w.kv_head * group + i % group) * L.o_stride_head;
     const float inv = 1.f / s.l[i];  // l >= 1: key 0 is visible to every query
     for (int c = 0; c < nv; ++c) vstore(dst + c * kLanes, vload(&s.acc[i * L.head_dim + c * kLanes]) * inv);
-  }
-}
-
-// Combine the num_splits partial results of one (sequence, KV head, rows) that split its keys:
-// out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s. A split past a query's
-// position saw no keys (m = -inf, weight 0); the first split holds key 0, so M is finite.
-void merge_splits(const Layout& L, const WorkItem& w, int64_t num_splits, const Partials& partials) {
-  const int64_t nq = w.num_rows * L.group, nv = L.head_dim / kLanes;
-  for (int64_t i = 0; i < nq; ++i) {
-    float m_max = -INFINITY, l_sum = 0.f;
-    for (int64_t k = 0; k < num_splits; ++k) m_max = std::max(m_max, partials.m[(w.partial + k) * partials.max_queries + i]);
-    vfloat acc[kMaxHeadVectors] = {};
-    for (int64_t k = 0; k < num_splits; ++k) {
-      const int64_t slot = (w.partial + k) * partials.max_queries + i;
-      const float weight = std::exp2(partials.m[slot] - m_max);
-      l_sum += partials.l[slot] * weight;
-      for (int64_t c = 0; c < nv; ++c) acc[c] += weight * vload(&partials.acc[slot * L.head_dim + c * kLanes]);
-    }
-    float* dst = L.out + (w.first_token + i / L.group) * L.o_stride_token +
-                 (w.kv_head * L.group + i % L.group) * L.o_stride_head;
-    for (int64_t c = 0; c < nv; ++c) vstore(dst + c * kLanes, acc[c] / l_sum);
   }
 }
 
