@@ -16,7 +16,7 @@ whose KV arrives from elsewhere (WAITING_FOR_REMOTE_KV) once it has landed.
 Admission reuses the longest cached prefix: device blocks first, then the host tier's
 continuation of the hash chain, then the lower tier's (the node's kvstore, staged through host
 slots), loaded into fresh blocks when that is estimated faster than recomputing
-(``engine/kv_cache/host_tier.py``, ``engine/kv_cache/lower_stage.py``). The load runs off the
+(``engine/kv_cache/tiers/host_tier.py``, ``engine/kv_cache/tiers/lower_stage.py``). The load runs off the
 step loop: the request waits (WAITING_FOR_HOST_KV, holding its blocks, the load's targets held
 against reuse) while the others step, and is admitted with the loaded blocks as computed once
 the load has landed (each schedule first books finished loads); a short load recomputes from
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.hashing import extend_block_hashes
-from engine.kv_cache.host_pool import HostEntry
-from engine.kv_cache.host_tier import HostLoad, HostTier, NoHostTier
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.tiers.host_pool import HostEntry
+from engine.kv_cache.tiers.protocol import HostLoad, HostTierProtocol, NoHostTier
 from engine.request import Request, RequestStatus
 from engine.scheduler.forks import PendingForks
 from engine.scheduler.output import RequestOutput, SchedulerOutput
@@ -66,7 +66,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, model_config: ModelConfig,
                  kv_manager: KVCacheManager, block_size: int,
                  enable_prefix_caching: bool = True,
-                 host_tier: HostTier | NoHostTier | None = None) -> None:
+                 host_tier: HostTierProtocol | None = None) -> None:
         self.config = config
         self.host_tier = host_tier if host_tier is not None else NoHostTier()
         self.device_counters = TierCounters()  # the device tier's hits and misses at admission
