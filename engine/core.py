@@ -17,11 +17,11 @@ from engine.kv_cache.tiers.build import build_host_tier
 from engine.kv_cache.tiers.lower_tier import LowerTier
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner, RunnerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler.output import RequestOutput
+from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
-from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.decoder import build_spec_decoder
 from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
 
 
@@ -45,7 +45,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
         self.host_tier = build_host_tier(config.cache, self.runner.kv_cache, self.block_pool,
                                          config.scheduler.max_num_batched_tokens, lower_tier)
-        self.spec = SpecDecoder(config.spec, self.runner, config.cache) if config.spec.method else None
+        self.spec = build_spec_decoder(config.spec, self.runner, config.cache)
         self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
         self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
                                    config.cache.block_size, config.cache.enable_prefix_caching,
@@ -115,9 +115,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples). Unknown or finished ids are ignored."""
         sample_ids = self._samples.pop(request_id, [])
-        if self.spec is not None:
-            for sample_id in sample_ids:
-                self.spec.remove(sample_id)
+        for sample_id in sample_ids:
+            self.spec.remove(sample_id)
         outputs = [self.scheduler.abort_request(i) for i in sample_ids]
         return [o for o in outputs if o is not None]
 
@@ -130,35 +129,44 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule -> execute -> update. Returns each touched request's new tokens."""
-        if self.spec is not None:
-            self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
-        sched = self.scheduler.schedule()
-        self.host_tier.flush()  # copy down, during the forward, what the next step will evict
+        sched = self._schedule()
         if sched.is_empty:
             return []
+        result = self._execute(sched)
+        return self._update(sched, result)
+
+    def _schedule(self) -> SchedulerOutput:
+        """Drafts are proposed first (the schedule counts them in the token budget); the host
+        tier then copies down, during the forward, what the next step will evict."""
+        self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
+        sched = self.scheduler.schedule()
+        self.host_tier.flush()
+        return sched
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The forward (with the drafts' verification) over the scheduled requests' blocks. A
+        step of at least a block's worth of tokens is prefill-dominated: its rate feeds the
+        recompute estimate of the host tier's load decisions."""
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
-        if self.spec is not None:
-            self.spec.fill(sched, block_ids)
+        draft_probs = self.spec.fill(sched, block_ids)
         start = time.perf_counter()
-        result = self.runner.execute(sched, block_ids, self.spec.draft_probs if self.spec is not None else None)
-        self._observe_forward(sum(sched.num_scheduled_tokens.values()), time.perf_counter() - start)
-        if self.spec is not None:
-            self.spec.record(sched, result.sampled)
+        result = self.runner.execute(sched, block_ids, draft_probs)
+        num_tokens = sched.total_num_scheduled_tokens
+        if num_tokens >= self.config.cache.block_size:
+            self.host_tier.observe_prefill(num_tokens, time.perf_counter() - start)
+        return result
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Token accounting, then the finished samples are forgotten."""
+        self.spec.record(sched, result.sampled)
         outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
         for output in outputs:
             if output.finished:
                 self._forget_sample(output)
         return outputs
 
-    def _observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """Feed the recompute estimate of the host tier's load decisions: a step of at least a
-        block's worth of tokens is prefill-dominated, so its rate estimates prefill tok/s."""
-        if num_tokens >= self.config.cache.block_size:
-            self.host_tier.observe_prefill(num_tokens, seconds)
-
     def _forget_sample(self, output: RequestOutput) -> None:
-        if self.spec is not None:
-            self.spec.remove(output.request_id)
+        self.spec.remove(output.request_id)
         request_id = output.parent_id or output.request_id
         sample_ids = self._samples.get(request_id)
         if sample_ids is not None and output.request_id in sample_ids:
@@ -262,7 +270,7 @@ class EngineCore:
 
     def spec_stats(self) -> dict[str, object] | None:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
-        return self.spec.stats() if self.spec is not None else None
+        return self.spec.stats()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""
