@@ -10,24 +10,18 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.copier import BackgroundCopier, Copier, InlineCopier
 from engine.kv_cache.events import KVCacheEvent, Tier
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_pool import HostBlockPool
-from engine.kv_cache.host_tier import HostTier, NoHostTier
-from engine.kv_cache.load_cost import LoadCostModel
-from engine.kv_cache.lower_stage import LOWER_TIER_COST_DEFAULTS, LowerTierStager
-from engine.kv_cache.lower_tier import LowerTier
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.storage import host_pool_num_blocks
-from engine.mathutils import cdiv
+from engine.kv_cache.tiers.build import build_host_tier
+from engine.kv_cache.tiers.lower_tier import LowerTier
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner, RunnerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler.output import RequestOutput
+from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
-from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.decoder import build_spec_decoder
 from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
 
 
@@ -37,7 +31,7 @@ class EngineCore:
         where only ``max_model_len`` may differ (``EngineArgs.max_model_len``).
         Raises ConfigError when any other field differs. ``lower_tier`` (a kvstore client) is
         offered the blocks the host tier evicts and asked, at admission, for the chain after a
-        host hit (``engine/kv_cache/lower_stage.py``); it needs the host tier (else unused)."""
+        host hit (``engine/kv_cache/tiers/lower_stage.py``); it needs the host tier (else unused)."""
         if dataclasses.replace(config.model, max_model_len=loaded.config.max_model_len) != loaded.config:
             raise ConfigError(f"EngineConfig.model is not the loaded model's config (only "
                               f"max_model_len may differ): {config.model} vs {loaded.config}")
@@ -49,36 +43,13 @@ class EngineCore:
         self.block_pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching,
                                     enable_events=config.cache.enable_kv_events)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
-        self.host_tier = self._build_host_tier(lower_tier)
-        self.spec = SpecDecoder(config.spec, self.runner, config.cache) if config.spec.method else None
+        self.host_tier = build_host_tier(config.cache, self.runner.kv_cache, self.block_pool,
+                                         config.scheduler.max_num_batched_tokens, lower_tier)
+        self.spec = build_spec_decoder(config.spec, self.runner, config.cache)
         self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
         self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
                                    config.cache.block_size, config.cache.enable_prefix_caching,
                                    self.host_tier)
-
-    def _build_host_tier(self, lower_tier: LowerTier | None) -> HostTier | NoHostTier:
-        """The host tier sized by ``CacheConfig.cpu_offload_bytes``, the block pool's offloader,
-        copying on a background thread (inline with ``kv_offload_sync``); NoHostTier when it is
-        0 (or fits no block) or prefix caching is off."""
-        cache, kv_cache = self.config.cache, self.runner.kv_cache
-        block_bytes = kv_cache[0].numel() * kv_cache.element_size()
-        num_host_blocks = host_pool_num_blocks(cache, block_bytes, self.runner.num_blocks)
-        if not cache.enable_prefix_caching or num_host_blocks < 1:
-            return NoHostTier()
-        host_pool = HostBlockPool(num_host_blocks, tuple(kv_cache.shape[1:]), kv_cache.dtype,
-                                  event_sink=self.block_pool.queue_event, pin_memory=kv_cache.is_cuda)
-        stager = None
-        if lower_tier is not None:  # host evictions go down; admission continues a host hit from it
-            stager = LowerTierStager(lower_tier, host_pool,
-                                     LoadCostModel(cache.block_size, LOWER_TIER_COST_DEFAULTS))
-            host_pool.set_eviction_listener(stager.offer)
-        copier: Copier = InlineCopier() if cache.kv_offload_sync else BackgroundCopier()
-        host_tier = HostTier(host_pool, kv_cache, LoadCostModel(cache.block_size), stager, copier)
-        # Copied ahead: about what one step allocates (its token budget), a quarter of the pool at most.
-        num_ahead = 0 if cache.kv_offload_sync else min(
-            cdiv(self.config.scheduler.max_num_batched_tokens, cache.block_size), self.runner.num_blocks // 4)
-        host_tier.attach(self.block_pool, num_ahead)
-        return host_tier
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:
@@ -144,9 +115,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a request (all its samples). Unknown or finished ids are ignored."""
         sample_ids = self._samples.pop(request_id, [])
-        if self.spec is not None:
-            for sample_id in sample_ids:
-                self.spec.remove(sample_id)
+        for sample_id in sample_ids:
+            self.spec.remove(sample_id)
         outputs = [self.scheduler.abort_request(i) for i in sample_ids]
         return [o for o in outputs if o is not None]
 
@@ -159,35 +129,44 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule -> execute -> update. Returns each touched request's new tokens."""
-        if self.spec is not None:
-            self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
-        sched = self.scheduler.schedule()
-        self.host_tier.flush()  # copy down, during the forward, what the next step will evict
+        sched = self._schedule()
         if sched.is_empty:
             return []
+        result = self._execute(sched)
+        return self._update(sched, result)
+
+    def _schedule(self) -> SchedulerOutput:
+        """Drafts are proposed first (the schedule counts them in the token budget); the host
+        tier then copies down, during the forward, what the next step will evict."""
+        self.spec.plan(self.scheduler.running, self.model_config.max_model_len)
+        sched = self.scheduler.schedule()
+        self.host_tier.flush()
+        return sched
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The forward (with the drafts' verification) over the scheduled requests' blocks. A
+        step of at least a block's worth of tokens is prefill-dominated: its rate feeds the
+        recompute estimate of the host tier's load decisions."""
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
-        if self.spec is not None:
-            self.spec.fill(sched, block_ids)
+        draft_probs = self.spec.fill(sched, block_ids)
         start = time.perf_counter()
-        result = self.runner.execute(sched, block_ids, self.spec.draft_probs if self.spec is not None else None)
-        self._observe_forward(sum(sched.num_scheduled_tokens.values()), time.perf_counter() - start)
-        if self.spec is not None:
-            self.spec.record(sched, result.sampled)
+        result = self.runner.execute(sched, block_ids, draft_probs)
+        num_tokens = sched.total_num_scheduled_tokens
+        if num_tokens >= self.config.cache.block_size:
+            self.host_tier.observe_prefill(num_tokens, time.perf_counter() - start)
+        return result
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Token accounting, then the finished samples are forgotten."""
+        self.spec.record(sched, result.sampled)
         outputs = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
         for output in outputs:
             if output.finished:
                 self._forget_sample(output)
         return outputs
 
-    def _observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """Feed the recompute estimate of the host tier's load decisions: a step of at least a
-        block's worth of tokens is prefill-dominated, so its rate estimates prefill tok/s."""
-        if isinstance(self.host_tier, HostTier) and num_tokens >= self.config.cache.block_size:
-            self.host_tier.observe_prefill(num_tokens, seconds)
-
     def _forget_sample(self, output: RequestOutput) -> None:
-        if self.spec is not None:
-            self.spec.remove(output.request_id)
+        self.spec.remove(output.request_id)
         request_id = output.parent_id or output.request_id
         sample_ids = self._samples.get(request_id)
         if sample_ids is not None and output.request_id in sample_ids:
@@ -272,17 +251,7 @@ class EngineCore:
         pool = self.block_pool
         device = TierStats.of(Tier.DEVICE, pool.num_blocks, pool.num_cached_blocks,
                               pool.num_stored_blocks, pool.num_evicted_blocks, self.scheduler.device_counters)
-        if not isinstance(self.host_tier, HostTier):
-            return (device,)
-        host_pool = self.host_tier.host_pool
-        host = TierStats.of(Tier.HOST, host_pool.num_blocks, host_pool.num_cached_blocks,
-                            host_pool.num_stored_blocks, host_pool.num_evicted_blocks, self.host_tier.counters)
-        lower = self.host_tier.lower
-        if lower is None:
-            return device, host
-        # The store's capacity and holdings are its own (its stats): here, this worker's traffic.
-        kvstore = TierStats.of(Tier.KVSTORE, 0, 0, lower.num_offered_blocks, 0, lower.counters)
-        return device, host, kvstore
+        return (device, *self.host_tier.tier_stats())
 
     def cached_block_hashes(self) -> list[tuple[BlockHash, Tier]]:
         """What this worker holds now, for a prefix-index snapshot: one (hash, tier) per block
@@ -301,7 +270,7 @@ class EngineCore:
 
     def spec_stats(self) -> dict[str, object] | None:
         """Speculation statistics (proposed / accepted per position), None when it is off."""
-        return self.spec.stats() if self.spec is not None else None
+        return self.spec.stats()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Drain BlockStored/BlockRemoved events (only queued with cache.enable_kv_events)."""

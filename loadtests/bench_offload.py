@@ -36,7 +36,7 @@ import time
 from engine.args import EngineArgs
 from engine.config import Role
 from engine.core import EngineCore
-from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.tiers.host_tier import HostTier
 from engine.mathutils import cdiv
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling_params import SamplingParams

@@ -48,3 +48,11 @@ class RequestOutput:
     error: str | None = None
     parent_id: str | None = None  # the caller's request id when n > 1
     index: int = 0
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        """``request``'s output after a step that gave it ``new_token_ids`` (not finished yet)."""
+        return cls(request.request_id, new_token_ids, num_prompt_tokens=request.num_prompt_tokens,
+                   num_cached_tokens=request.num_cached_tokens,
+                   num_computed_tokens=request.num_computed_tokens,
+                   parent_id=request.parent_id, index=request.index)

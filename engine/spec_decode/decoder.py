@@ -6,9 +6,12 @@ Per step (EngineCore.step)::
                              the tokens themselves; model drafters: k placeholder slots), so
                              the scheduler counts them in the token budget and allocates slots
     fill(sched, block_ids)   after schedule: trim drafts to what the budget allowed and run
-                             the model drafter into the reserved slots
+                             the model drafter into the reserved slots; returns their q
     ...runner verifies...    rejection sampling; update() rolls the block table back
     record(sched, sampled)   acceptance statistics, adaptive k
+
+With speculation off the engine holds a ``NoSpecDecoder`` (``protocol.py``) instead:
+``build_spec_decoder`` picks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.adaptive import AdaptiveK, AdaptiveKConfig
 from engine.spec_decode.model_drafter import DraftModelDrafter, LayerSkipDrafter
 from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.protocol import NoSpecDecoder, SpecDecoderProtocol
 
 if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner
@@ -36,6 +40,11 @@ PLACEHOLDER_TOKEN = 0  # a model drafter's slot before fill() writes the real dr
 # (M 16 -> 32: 19.3 -> 30.4 ms, all layers + LM head), hence the knee.
 VERIFY_COST_PER_DRAFT = 0.08
 VERIFY_BATCH_KNEE = 3.0
+
+
+def build_spec_decoder(config: SpecConfig, runner: ModelRunner, cache_config: CacheConfig) -> SpecDecoderProtocol:
+    """A SpecDecoder for ``config.method``, or NoSpecDecoder when it is unset."""
+    return SpecDecoder(config, runner, cache_config) if config.method else NoSpecDecoder()
 
 
 class SpecDecoder:
@@ -69,7 +78,6 @@ class SpecDecoder:
             max_k=config.k, batch_size_threshold=config.max_batch, probe_k=1,
             draft_cost=draft_cost, verify_cost=VERIFY_COST_PER_DRAFT,
             verify_batch_knee=VERIFY_BATCH_KNEE))
-        self.draft_probs: dict[str, torch.Tensor | None] = {}
 
     def plan(self, running: list[Request], max_model_len: int) -> None:
         batch_size = len(running)
@@ -90,8 +98,10 @@ class SpecDecoder:
             else:
                 request.spec_token_ids = [PLACEHOLDER_TOKEN] * k
 
-    def fill(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> None:
-        self.draft_probs = {}
+    def fill(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> dict[str, torch.Tensor | None]:
+        """Trim drafts to what the budget allowed and run the model drafter into the reserved
+        slots. Returns the drafted requests' q (n-gram drafts: none, a point mass)."""
+        draft_probs: dict[str, torch.Tensor | None] = {}
         drafted, ks = [], []
         for request in sched.scheduled:
             if not request.spec_token_ids:
@@ -102,11 +112,12 @@ class SpecDecoder:
                 drafted.append(request)
                 ks.append(len(request.spec_token_ids))
         if not drafted or self.drafter is None:
-            return
+            return draft_probs
         for request, proposal in zip(drafted, self.drafter.draft(drafted, ks, block_ids)):
             request.spec_token_ids = proposal.draft_token_ids
             sched.num_scheduled_tokens[request.request_id] = 1 + len(proposal.draft_token_ids)
-            self.draft_probs[request.request_id] = proposal.draft_probs
+            draft_probs[request.request_id] = proposal.draft_probs
+        return draft_probs
 
     def record(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         for request in sched.scheduled:

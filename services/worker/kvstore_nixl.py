@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_pool import copy_block_runs
+from engine.kv_cache.tiers.host_pool import copy_block_runs
 from engine.kv_transfer.base import KVCompat, KVTransferError
 from services.kvstore.client import KVStoreClient
 from services.kvstore.nixl_reader import NixlBlockReader

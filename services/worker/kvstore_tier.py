@@ -1,4 +1,4 @@
-"""The node's kvstore as the engine's lower tier (``engine/kv_cache/lower_tier.py``).
+"""The node's kvstore as the engine's lower tier (``engine/kv_cache/tiers/lower_tier.py``).
 
     tier = KVStoreTier(KVStoreTierConfig("127.0.0.1:50081"))
     core = EngineCore(config, loaded, lower_tier=tier)
@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 import torch
 
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_pool import copy_block_runs
-from engine.kv_cache.lower_tier import EvictedBlock
+from engine.kv_cache.tiers.host_pool import copy_block_runs
+from engine.kv_cache.tiers.lower_tier import EvictedBlock
 from engine.kv_transfer.base import KVCompat, KVTransferError
 from services.kvstore.client import KVStoreClient
 from services.worker.kvstore_nixl import NixlLoader

@@ -46,7 +46,7 @@ NUM_SLOTS = 8
 def _offer_until_held(tier, blocks: torch.Tensor, timeout_s: float = 20.0) -> bool:
     """Offer the chain (again every second: a restarted store drops the first put) until the
     store holds all of it."""
-    from engine.kv_cache.lower_tier import EvictedBlock
+    from engine.kv_cache.tiers.lower_tier import EvictedBlock
 
     evicted = [EvictedBlock(h, HASHES[i - 1] if i else None,
                             tuple(range(i * COMPAT.block_size, (i + 1) * COMPAT.block_size)), blocks[i])

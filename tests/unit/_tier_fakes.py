@@ -21,14 +21,14 @@ import torch
 
 from engine.config import ModelConfig, Role, SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.copier import Copier, CopyFn, CopyJob
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_pool import HostBlockPool
-from engine.kv_cache.host_tier import HostTier
-from engine.kv_cache.load_cost import LoadCostModel
-from engine.kv_cache.lower_stage import LowerTierStager
-from engine.kv_cache.lower_tier import EvictedBlock
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.tiers.copier import Copier, CopyFn, CopyJob
+from engine.kv_cache.tiers.host_pool import HostBlockPool
+from engine.kv_cache.tiers.host_tier import HostTier
+from engine.kv_cache.tiers.load_cost import LoadCostModel
+from engine.kv_cache.tiers.lower_stage import LowerTierStager
+from engine.kv_cache.tiers.lower_tier import EvictedBlock
 from engine.request import Request
 from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler

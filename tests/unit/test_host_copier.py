@@ -1,4 +1,4 @@
-"""The background copier (engine/kv_cache/copier.py): jobs in submission order on one thread that
+"""The background copier (engine/kv_cache/tiers/copier.py): jobs in submission order on one thread that
 starts with the first job, waits that say whether they blocked, errors handed back, a close that
 finishes the queue, and no CPU at rest."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.kv_cache.copier import BackgroundCopier, InlineCopier
+from engine.kv_cache.tiers.copier import BackgroundCopier, InlineCopier
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""HostBlockPool (engine/kv_cache/host_pool.py): exact slots, LRU order, pins, events, the
+"""HostBlockPool (engine/kv_cache/tiers/host_pool.py): exact slots, LRU order, pins, events, the
 offer to a lower tier, capacity, and the run copies; an integrity check after every test."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from engine.kv_cache.hashing import BlockHash, hash_request_blocks
-from engine.kv_cache.host_pool import HostBlockPool, copy_block_runs
-from engine.kv_cache.lower_tier import EvictedBlock
+from engine.kv_cache.tiers.host_pool import HostBlockPool, copy_block_runs
+from engine.kv_cache.tiers.lower_tier import EvictedBlock
 
 BLOCK_SIZE = 4
 HASHES = hash_request_blocks(list(range(40)), BLOCK_SIZE)  # a chain of 10 blocks

@@ -15,9 +15,9 @@ from engine.args import EngineArgs
 from engine.config import CacheConfig, ModelConfig, Role
 from engine.core import EngineCore
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.quant_format import bytes_per_token
 from engine.kv_cache.storage import allocate_kv_cache, bytes_per_block
+from engine.kv_cache.tiers.host_tier import HostTier
 from engine.kv_transfer.base import KVCompat, KVRegion, KVTransferError
 from engine.kv_transfer.packing import iter_chunks, pack_blocks, write_packed_range
 from engine.sampling_params import SamplingParams

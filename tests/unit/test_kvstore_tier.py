@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.kv_cache.hashing import hash_request_blocks
-from engine.kv_cache.lower_tier import EvictedBlock
+from engine.kv_cache.tiers.lower_tier import EvictedBlock
 from engine.kv_transfer.base import KVCompat
 from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
 

@@ -1,4 +1,4 @@
-"""The lower tier below the host (engine/kv_cache/lower_stage.py) under the scheduler, over a KV
+"""The lower tier below the host (engine/kv_cache/tiers/lower_stage.py) under the scheduler, over a KV
 tensor of token ids (tests/unit/_tier_fakes.py): a prefix evicted from device and host comes back
 from the lower tier through host slots, a short load recomputes from the last good block, a lost
 lower tier is a plain miss, the cost gate, and the KVSTORE counters kept apart from the host's."""

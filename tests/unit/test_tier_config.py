@@ -1,5 +1,5 @@
 """The host tier's settings and cost model: --cpu-offload-gb validation and sizing, and the
-measured load-versus-recompute decision (engine/kv_cache/load_cost.py)."""
+measured load-versus-recompute decision (engine/kv_cache/tiers/load_cost.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.config import CacheConfig, ConfigError, ModelConfig, Role
-from engine.kv_cache.load_cost import LoadCostDefaults, LoadCostModel
 from engine.kv_cache.storage import host_pool_num_blocks
+from engine.kv_cache.tiers.load_cost import LoadCostDefaults, LoadCostModel
 
 MODEL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)

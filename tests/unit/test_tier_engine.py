@@ -16,7 +16,8 @@ from engine.config import Role
 from engine.core import EngineCore
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from engine.kv_cache.hashing import hash_request_blocks
-from engine.kv_cache.host_tier import HostTier, NoHostTier
+from engine.kv_cache.tiers.host_tier import HostTier
+from engine.kv_cache.tiers.protocol import NoHostTier
 from engine.sampling_params import SamplingParams
 from engine.stats import TierStats
 from tests.engine_runs import run_alone

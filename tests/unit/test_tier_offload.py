@@ -1,4 +1,4 @@
-"""Offload and reload off the step loop (engine/kv_cache/host_tier.py with a copier), over a KV
+"""Offload and reload off the step loop (engine/kv_cache/tiers/host_tier.py with a copier), over a KV
 tensor of token ids (tests/unit/_tier_fakes.py). ``ManualCopier`` decides when each copy lands,
 so the fences are checked exactly: a block whose copy down is in flight is not handed out while
 other blocks are free, and waited for (counted) only when none is; the host announces a block
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache.copier import BackgroundCopier
 from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from engine.kv_cache.hashing import hash_request_blocks
+from engine.kv_cache.tiers.copier import BackgroundCopier
 from engine.request import RequestStatus
 from tests.unit._scheduler_fakes import check_scheduler, make_request
 from tests.unit._tier_fakes import ManualCopier, TierRunner, make_tier_scheduler

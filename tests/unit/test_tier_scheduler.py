@@ -1,4 +1,4 @@
-"""The host tier under the scheduler (engine/kv_cache/host_tier.py), over a KV tensor of token
+"""The host tier under the scheduler (engine/kv_cache/tiers/host_tier.py), over a KV tensor of token
 ids (tests/unit/_tier_fakes.py): offload on device eviction with exact events in order, reload
 of the host continuation of a prefix hit, the cost gate, a failed load recomputed from the last
 good block, and the stats of both tiers."""

@@ -9,7 +9,7 @@ the engine thread keeps stepping while they run.
 Ordering contract: jobs run one at a time, first submitted first; a job's effects (its bytes,
 ``result``, ``error``, ``seconds``) are visible to the engine thread once ``is_done`` reads True.
 Fences are the caller's: a block being copied must not be handed out, or written, until its
-job is done (``engine/kv_cache/host_tier.py`` keeps that).
+job is done (``engine/kv_cache/tiers/host_tier.py`` keeps that).
 
 ``InlineCopier`` runs each job at ``submit`` on the calling thread: the synchronous baseline
 (``CacheConfig.kv_offload_sync``), with the same interface.

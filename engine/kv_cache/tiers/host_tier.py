@@ -30,31 +30,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.copier import Copier, CopyFn, CopyJob, InlineCopier
+from engine.kv_cache.events import Tier
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_offload import HostOffloader, OffloadStats
-from engine.kv_cache.host_pool import HostBlockPool, HostEntry, copy_block_runs
-from engine.kv_cache.load_cost import LoadCostModel
-from engine.kv_cache.lower_stage import LowerTierStager
-from engine.stats import TierCounters
-
-
-@dataclass(slots=True, eq=False)
-class HostLoad:
-    """Host entries being copied into device blocks (``HostTier.start_load``). Once
-    ``is_settled``, ``num_loaded`` leading blocks hold their data."""
-
-    job: CopyJob
-    entries: list[HostEntry]
-    block_ids: list[int]
-    num_host_run: int  # of ``entries``, those the host held (the rest came from the lower tier)
-    num_loaded: int = 0
-    is_settled: bool = False
+from engine.kv_cache.tiers.copier import Copier, CopyFn, CopyJob, InlineCopier
+from engine.kv_cache.tiers.host_offload import HostOffloader, OffloadStats
+from engine.kv_cache.tiers.host_pool import HostBlockPool, HostEntry, copy_block_runs
+from engine.kv_cache.tiers.load_cost import LoadCostModel
+from engine.kv_cache.tiers.lower_stage import LowerTierStager
+from engine.kv_cache.tiers.protocol import HostLoad
+from engine.stats import TierCounters, TierStats
 
 
 class HostTier:
@@ -206,6 +194,16 @@ class HostTier:
     def cached_block_hashes(self) -> list[BlockHash]:
         return self.host_pool.cached_block_hashes()
 
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """HOST, then KVSTORE with a lower tier: there, this worker's traffic (the store's
+        capacity and holdings are in the store's own stats)."""
+        pool = self.host_pool
+        host = TierStats.of(Tier.HOST, pool.num_blocks, pool.num_cached_blocks, pool.num_stored_blocks,
+                            pool.num_evicted_blocks, self.counters)
+        if self.lower is None:
+            return (host,)
+        return host, TierStats.of(Tier.KVSTORE, 0, 0, self.lower.num_offered_blocks, 0, self.lower.counters)
+
     @property
     def has_jobs_in_flight(self) -> bool:
         return bool(self.offloader.jobs() or self._loads)
@@ -265,49 +263,3 @@ class HostTier:
             self.host_pool.touch(entries[num_loaded - 1::-1] if num_loaded else [])  # the prefix stays longest
             self.counters.num_loaded_bytes += num_loaded * self.host_pool.block_bytes
             load.num_loaded, load.is_settled = num_loaded, True
-
-
-class NoHostTier:
-    """The host tier turned off (``cpu_offload_gb`` 0, or no prefix caching): nothing is kept."""
-
-    has_jobs_in_flight = False
-
-    def flush(self) -> None:
-        pass
-
-    def poll(self) -> None:
-        pass
-
-    def match(self, block_hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None,
-              token_ids: Sequence[int] | None = None) -> list[HostEntry]:
-        return []
-
-    def release(self, entries: Sequence[HostEntry]) -> None:
-        pass
-
-    def start_load(self, entries: Sequence[HostEntry], block_ids: Sequence[int]) -> HostLoad:
-        raise ValueError("the host tier is off: there is nothing to load")
-
-    def wait_for_load(self, load: HostLoad) -> None:
-        raise ValueError("the host tier is off: there is nothing to load")
-
-    def load(self, entries: Sequence[HostEntry], block_ids: Sequence[int]) -> int:
-        if entries:
-            raise ValueError("the host tier is off: there is nothing to load")
-        return 0
-
-    def record_query(self, num_queried_blocks: int, num_hit_blocks: int, block_size: int,
-                     num_host_run: int | None = None) -> None:
-        pass
-
-    def clear(self, emit: bool) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def cached_block_hashes(self) -> list[BlockHash]:
-        return []
-
-    def check_integrity(self) -> None:
-        pass

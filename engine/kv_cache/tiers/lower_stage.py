@@ -25,9 +25,9 @@ import time
 from collections.abc import Sequence
 
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_pool import HostBlockPool, HostEntry
-from engine.kv_cache.load_cost import LoadCostDefaults, LoadCostModel
-from engine.kv_cache.lower_tier import EvictedBlock, LowerTier
+from engine.kv_cache.tiers.host_pool import HostBlockPool, HostEntry
+from engine.kv_cache.tiers.load_cost import LoadCostDefaults, LoadCostModel
+from engine.kv_cache.tiers.lower_tier import EvictedBlock, LowerTier
 from engine.stats import TierCounters
 
 # Before the first measurement: a 737 KB block over loopback gRPC costs about 1 ms on the 2-core

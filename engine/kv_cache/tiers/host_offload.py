@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, EvictionState, KVBlock
-from engine.kv_cache.copier import CopyFn, CopyJob
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.host_pool import HostBlockPool, HostEntry
+from engine.kv_cache.tiers.copier import CopyFn, CopyJob
+from engine.kv_cache.tiers.host_pool import HostBlockPool, HostEntry
 from engine.stats import TierCounters
 
 CopyDown = Callable[[Sequence[int], Sequence[int]], None]

@@ -11,7 +11,7 @@ Invariants (``check_integrity`` verifies them and raises with the numbers):
 - every slot is either free or held by exactly one entry: free + cached == num_blocks;
 - the map holds each hash once, and its entry names its own hash;
 - a pinned entry (``num_pins > 0``) is never evicted; a pin lasts while a copy that reads or
-  writes its slot is in flight (``engine/kv_cache/host_tier.py`` says which, at any moment);
+  writes its slot is in flight (``engine/kv_cache/tiers/host_tier.py`` says which, at any moment);
 - an entry is *ready* once its bytes are there (``commit``); until then it is pinned, invisible
   to ``match_prefix``, ``cached_block_hashes`` and ``num_cached_blocks``, and announced nowhere.
 
@@ -19,7 +19,7 @@ Events go to ``event_sink`` in the order things happened: ``BlockStored(HOST)`` 
 and token ids when an entry is committed (its bytes have landed), ``BlockRemoved(HOST)`` when
 the LRU evicts a ready entry or a bad one is discarded, and ``AllBlocksCleared(HOST)`` on
 ``clear``. An evicted entry is first offered, with its bytes, to ``on_evict`` (the next tier
-down, see ``engine/kv_cache/lower_tier.py``).
+down, see ``engine/kv_cache/tiers/lower_tier.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from engine.kv_cache.events import (
     Tier,
 )
 from engine.kv_cache.hashing import BlockHash
-from engine.kv_cache.lower_tier import EvictedBlock
+from engine.kv_cache.tiers.lower_tier import EvictedBlock
 
 
 @dataclass(slots=True, eq=False)
