@@ -2,18 +2,27 @@
 
 Server side, ``SecretInterceptor`` (grpc.aio): every method except ``grpc.health.v1.Health/*``
 needs a metadata value that ``KeySet.matches``; otherwise the call ends with UNAUTHENTICATED
-before its handler runs (no request message is read, nothing is allocated). Two uses:
+before its handler runs (nothing is allocated, no request message is parsed). Two uses:
 
     SecretInterceptor(keys, "authorization", bearer_token)      # the router's public API key
     SecretInterceptor(auth.accepted, TOKEN_METADATA)            # the internal token
 
 Client side, ``token_interceptors`` / ``SyncTokenInterceptor`` add one metadata pair to every
 call of a channel (services/common/channels.py installs them).
+
+Why a refused client-streaming call reads its requests first: grpc.aio's client writes its
+request iterator from a task, and a write that fails because the server already ended the call
+*replaces* the status it received with INTERNAL ("Internal error from Core"). A refusal that
+ended the call while the client still wrote was therefore seen as INTERNAL now and then. So
+the refusal of a request-streaming call discards the client's messages (raw bytes, never
+parsed) until it half-closes, for at most ``DRAIN_LIMIT_S``, and only then answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -21,6 +30,7 @@ import grpc
 from services.common.auth import KeySet
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+DRAIN_LIMIT_S = 2.0  # a refused client stream is read (and dropped) this long at most
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):
@@ -46,16 +56,21 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that aborts with UNAUTHENTICATED."""
+    """A handler of the same streaming kind as ``handler`` that aborts with UNAUTHENTICATED
+    (after draining a client stream: see the module docstring)."""
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if handler.request_streaming:
+            await drain(request)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if handler.request_streaming:
+            await drain(request)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # unreachable; makes this an async generator like the handler it replaces
 
-    codec = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
+    # No request deserializer: drained messages stay bytes, a refused call parses nothing.
+    codec = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming, **codec)
     if handler.request_streaming:
@@ -63,6 +78,17 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming, **codec)
     return grpc.unary_unary_rpc_method_handler(unary, **codec)
+
+
+async def drain(requests: AsyncIterator[Any], limit_s: float = DRAIN_LIMIT_S) -> None:
+    """Read and drop a client's request stream until it half-closes (or ``limit_s`` passed),
+    so a status sent next reaches a client that is no longer writing (module docstring)."""
+    async def read_all() -> None:
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError, grpc.RpcError):
+        await asyncio.wait_for(read_all(), limit_s)
 
 
 def _with_metadata(details: Any, pair: tuple[str, str]) -> Any:
