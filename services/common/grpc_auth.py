@@ -10,27 +10,22 @@ before its handler runs (nothing is allocated, no request message is parsed). Tw
 Client side, ``token_interceptors`` / ``SyncTokenInterceptor`` add one metadata pair to every
 call of a channel (services/common/channels.py installs them).
 
-Why a refused client-streaming call reads its requests first: grpc.aio's client writes its
-request iterator from a task, and a write that fails because the server already ended the call
-*replaces* the status it received with INTERNAL ("Internal error from Core"). A refusal that
-ended the call while the client still wrote was therefore seen as INTERNAL now and then. So
-the refusal of a request-streaming call discards the client's messages (raw bytes, never
-parsed) until it half-closes, for at most ``DRAIN_LIMIT_S``, and only then answers.
+A refusal is an ``Unauthenticated`` error mapped like any other (services/common/grpc_errors.py):
+a refused client stream is read to its end first, or grpc.aio's client may report INTERNAL.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from services.common.auth import KeySet
+from services.common.errors import Unauthenticated
+from services.common.grpc_errors import maps_service_errors
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-DRAIN_LIMIT_S = 2.0  # a refused client stream is read (and dropped) this long at most
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):
@@ -56,39 +51,26 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that aborts with UNAUTHENTICATED
-    (after draining a client stream: see the module docstring)."""
+    """A handler of the same streaming kind as ``handler`` that raises Unauthenticated."""
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if handler.request_streaming:
-            await drain(request)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        raise Unauthenticated(message)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if handler.request_streaming:
-            await drain(request)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        raise Unauthenticated(message)
         yield  # unreachable; makes this an async generator like the handler it replaces
 
-    # No request deserializer: drained messages stay bytes, a refused call parses nothing.
+    def refuse(behavior: Any) -> Any:
+        return maps_service_errors(behavior, request_streaming=handler.request_streaming)
+
+    # No request deserializer: a drained request stays bytes, a refused call parses nothing.
     codec = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **codec)
+        return grpc.stream_stream_rpc_method_handler(refuse(streaming), **codec)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **codec)
+        return grpc.stream_unary_rpc_method_handler(refuse(unary), **codec)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **codec)
-    return grpc.unary_unary_rpc_method_handler(unary, **codec)
-
-
-async def drain(requests: AsyncIterator[Any], limit_s: float = DRAIN_LIMIT_S) -> None:
-    """Read and drop a client's request stream until it half-closes (or ``limit_s`` passed),
-    so a status sent next reaches a client that is no longer writing (module docstring)."""
-    async def read_all() -> None:
-        async for _ in requests:
-            pass
-
-    with contextlib.suppress(asyncio.TimeoutError, grpc.RpcError):
-        await asyncio.wait_for(read_all(), limit_s)
+        return grpc.unary_stream_rpc_method_handler(refuse(streaming), **codec)
+    return grpc.unary_unary_rpc_method_handler(refuse(unary), **codec)
 
 
 def _with_metadata(details: Any, pair: tuple[str, str]) -> Any:
