@@ -38,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
             options["type"] = kind
             if "choices" in setting.metadata:
                 options["choices"] = setting.metadata["choices"]
-        add_env_argument(parser, _flag(setting), dest=setting.name, environ=environ, **options)
+        add_env_argument(parser, flag_of(setting), dest=setting.name, environ=environ, **options)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -52,7 +52,7 @@ def engine_argv(args: EngineArgs) -> list[str]:
     for setting, kind in _settings():
         value = getattr(args, setting.name)
         if value != setting.default:
-            argv += [_flag(setting)] if kind is bool else [_flag(setting), str(value)]
+            argv += [flag_of(setting)] if kind is bool else [flag_of(setting), str(value)]
     return argv
 
 
@@ -74,5 +74,6 @@ def _settings() -> list[tuple[dataclasses.Field, type]]:
     return settings
 
 
-def _flag(setting: dataclasses.Field) -> str:
+def flag_of(setting: dataclasses.Field) -> str:
+    """The command-line flag of an EngineArgs field (``num_kv_blocks`` -> ``--num-kv-blocks``)."""
     return setting.metadata.get("flag", "--" + setting.name.replace("_", "-"))

@@ -2,13 +2,16 @@
 
 Server side, ``SecretInterceptor`` (grpc.aio): every method except ``grpc.health.v1.Health/*``
 needs a metadata value that ``KeySet.matches``; otherwise the call ends with UNAUTHENTICATED
-before its handler runs (no request message is read, nothing is allocated). Two uses:
+before its handler runs (nothing is allocated, no request message is parsed). Two uses:
 
     SecretInterceptor(keys, "authorization", bearer_token)      # the router's public API key
     SecretInterceptor(auth.accepted, TOKEN_METADATA)            # the internal token
 
 Client side, ``token_interceptors`` / ``SyncTokenInterceptor`` add one metadata pair to every
 call of a channel (services/common/channels.py installs them).
+
+A refusal is an ``Unauthenticated`` error mapped like any other (services/common/grpc_errors.py):
+a refused client stream is read to its end first, or grpc.aio's client may report INTERNAL.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 import grpc
 
 from services.common.auth import KeySet
+from services.common.errors import Unauthenticated
+from services.common.grpc_errors import maps_service_errors
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -46,23 +51,26 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that aborts with UNAUTHENTICATED."""
+    """A handler of the same streaming kind as ``handler`` that raises Unauthenticated."""
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        raise Unauthenticated(message)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        raise Unauthenticated(message)
         yield  # unreachable; makes this an async generator like the handler it replaces
 
-    codec = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
+    def refuse(behavior: Any) -> Any:
+        return maps_service_errors(behavior, request_streaming=handler.request_streaming)
+
+    # No request deserializer: a drained request stays bytes, a refused call parses nothing.
+    codec = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **codec)
+        return grpc.stream_stream_rpc_method_handler(refuse(streaming), **codec)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **codec)
+        return grpc.stream_unary_rpc_method_handler(refuse(unary), **codec)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **codec)
-    return grpc.unary_unary_rpc_method_handler(unary, **codec)
+        return grpc.unary_stream_rpc_method_handler(refuse(streaming), **codec)
+    return grpc.unary_unary_rpc_method_handler(refuse(unary), **codec)
 
 
 def _with_metadata(details: Any, pair: tuple[str, str]) -> Any:

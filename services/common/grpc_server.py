@@ -16,6 +16,9 @@ Access: an internal server (the default) takes the process's internal auth
 token checked on every call when one is; ``grpc.health.v1`` stays open to token-less probes.
 The router's public server passes ``public_api_keys`` instead: plaintext, and with keys every
 call but health needs ``authorization: Bearer <key>``.
+
+Errors: every servicer method may raise a ServiceError (services/common/errors.py); the
+server's ``ServiceErrorInterceptor`` ends the call with its status (grpc_errors.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from services.common import internal_auth
 from services.common.auth import KeySet, bearer_token
 from services.common.channels import server_credentials
 from services.common.grpc_auth import SecretInterceptor
+from services.common.grpc_errors import ServiceErrorInterceptor
 from services.common.health import HealthReporter
 from services.common.internal_auth import TOKEN_METADATA
 
@@ -113,7 +117,7 @@ async def start_grpc_server(servicers: Sequence[AddServicer], *, port: int = 0,
     public server (see the module docstring). Raises OSError if the address cannot be bound.
     """
     credentials, interceptors = _access(public_api_keys)
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    server = grpc.aio.server(interceptors=[*interceptors, ServiceErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),  # a taken port must fail, not be silently shared

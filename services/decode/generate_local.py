@@ -8,10 +8,10 @@ worker serving it died (``resumed_output_token_ids``: ``EngineCore.add_request``
 is ``DecodeResponse``s, the first carrying the first (new) token, ``num_cached_prompt_tokens``
 and its TTFT stages (queue, compute); the last has a finish reason.
 
-Bad input (empty id, bad params, n > 1, a prompt that cannot fit) is INVALID_ARGUMENT before
-any response; a duplicate id ALREADY_EXISTS. A cancelled call aborts the request in the engine,
-which frees its blocks. Writes go through ``context.write`` from a coroutine, so a cancel runs
-the cleanup at once.
+Bad input (empty id, bad params, n > 1, a prompt that cannot fit) raises InvalidArgument
+before any response; a duplicate id AlreadyExists (services/common/errors.py). A cancelled
+call aborts the request in the engine, which frees its blocks. Writes go through
+``context.write`` from a coroutine, so a cancel runs the cleanup at once.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from collections.abc import Callable
 import grpc
 
 from services.common.async_engine import AsyncEngine, EngineDead
+from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
 from services.common.faults import faults
 from services.common.pb import worker_pb2
-from services.common.wire import decode_response, params_from_proto, ttft_stages_to_proto
+from services.common.wire import decode_response, ttft_stages_to_proto
+from services.worker.request_params import one_sample_params
 from services.worker.stats import PrefixCounters
 
 
@@ -40,21 +42,14 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
     prompt = list(request.prompt_token_ids)
     resumed = list(request.resumed_output_token_ids)
     if not request_id:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Generate: request_id is empty")
+        raise InvalidArgument("Generate: request_id is empty")
     if not prompt:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            "Generate: prompt_token_ids is empty: give at least one token")
-    try:
-        params = params_from_proto(request.sampling_params)
-    except ValueError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Generate: {exc}")
-    if params.n != 1:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Generate: n={params.n}; the router sends n > 1 as n requests")
+        raise InvalidArgument("Generate: prompt_token_ids is empty: give at least one token")
+    params = one_sample_params(request.sampling_params, "Generate")
     try:
         queue = engine.subscribe(request_id)
     except ValueError as exc:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"Generate: {exc}")
+        raise AlreadyExists(f"Generate: {exc}") from exc
     finished = False
     # add_request as queued on the engine thread: applied even if this call is cancelled while
     # waiting, so the cleanup waits for it before aborting.
@@ -64,7 +59,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
         try:
             await asyncio.shield(adding)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Generate: {exc}")
+            raise InvalidArgument(f"Generate: {exc}") from exc
         finally:
             if on_added is not None:
                 on_added()
@@ -86,7 +81,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
             num_streamed += len(output.new_token_ids)
             faults().after_decode_tokens(num_streamed)  # PDSERVE_FAULTS only
     except EngineDead as exc:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        raise Unavailable(str(exc)) from exc
     finally:
         engine.unsubscribe(request_id)
         if not finished:

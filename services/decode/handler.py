@@ -34,12 +34,19 @@ import grpc
 from engine.config import Role
 from engine.mathutils import cdiv
 from services.common.async_engine import EngineDead
+from services.common.errors import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.common.faults import faults
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
-    FAILED_PEER_KEY,
-    KV_FULL_KEY,
     KV_SERVICE_NAME,
     decode_response,
     params_from_proto,
@@ -49,7 +56,7 @@ from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
-from services.worker.admission import QueueLimit, WorkerFull
+from services.worker.admission import QueueLimit
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -100,14 +107,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         reservation_id = request.request_id
         prompt = list(request.prompt_token_ids)
         if not reservation_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ReserveBlocks: request_id is empty")
+            raise InvalidArgument("ReserveBlocks: request_id is empty")
         if reservation_id in self.reservations:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"ReserveBlocks: {reservation_id!r} is already reserved")
-        try:
-            pending = self.queue_limit.admit()
-        except WorkerFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"ReserveBlocks: {exc}")
+            raise AlreadyExists(f"ReserveBlocks: {reservation_id!r} is already reserved")
+        pending = self.queue_limit.admit("ReserveBlocks")
         try:
             params = params_from_proto(request.sampling_params)  # bad words come tokenized
             reserving = asyncio.ensure_future(
@@ -118,18 +121,17 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 self._spawn(self._undo_reserve(reserving, reservation_id))
                 raise
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ReserveBlocks: {exc}")
+            raise InvalidArgument(f"ReserveBlocks: {exc}") from exc
         except EngineDead as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise Unavailable(str(exc)) from exc
         finally:
             pending.done()
         if reserved is None:
             block_size = self.engine.config.cache.block_size
-            context.set_trailing_metadata(((KV_FULL_KEY, "1"),))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise ResourceExhausted(
                 f"decode worker {self.runtime.worker_id} has {self.engine.stats().num_free_blocks} free "
-                f"KV blocks; a {len(prompt)}-token prompt needs {cdiv(len(prompt), block_size)}")
+                f"KV blocks; a {len(prompt)}-token prompt needs {cdiv(len(prompt), block_size)}",
+                kv_full=True)
         self.transfer_counters.num_blocks_skipped_cached += reserved.num_cached_blocks
         self.prefix_counters.add(len(prompt),
                                  reserved.num_cached_blocks * self.engine.config.cache.block_size)
@@ -158,22 +160,17 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
     async def RenewReservation(self, request: worker_pb2.RenewReservationRequest,
                                context: grpc.aio.ServicerContext) -> worker_pb2.RenewReservationResponse:
         if not request.reservation_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "RenewReservation: reservation_id is empty")
+            raise InvalidArgument("RenewReservation: reservation_id is empty")
         if self.reservations.renew(request.reservation_id) is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"RenewReservation: no live reservation {request.reservation_id!r} "
-                                f"on {self.runtime.worker_id} (never made, lease of "
-                                f"{self.lease_s:g} s ran out, released, or its KV already "
-                                "landed and decoding started)")
+            raise NotFound(f"RenewReservation: no live reservation {request.reservation_id!r} "
+                           f"on {self.runtime.worker_id} (never made, lease of "
+                           f"{self.lease_s:g} s ran out, released, or its KV already "
+                           "landed and decoding started)")
         return worker_pb2.RenewReservationResponse(lease_ms=int(self.lease_s * 1000))
 
     async def Generate(self, request: worker_pb2.GenerateLocalRequest,
                        context: grpc.aio.ServicerContext) -> None:
-        try:
-            pending = self.queue_limit.admit()
-        except WorkerFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Generate: {exc}")
+        pending = self.queue_limit.admit("Generate")
         try:
             await generate_local(self.engine, self.prefix_counters, request, context, pending.done)
         finally:
@@ -183,10 +180,9 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         try:
             reservation = self.reservations.claim(request.reservation_id)
         except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"Decode: no reservation {request.reservation_id!r} on "
-                                f"{self.runtime.worker_id} (never made, lease expired after "
-                                f"{self.lease_s:g} s, released, or already claimed)")
+            raise NotFound(f"Decode: no reservation {request.reservation_id!r} on "
+                           f"{self.runtime.worker_id} (never made, lease expired after "
+                           f"{self.lease_s:g} s, released, or already claimed)") from None
         request_id = reservation.reservation_id
         finished = handed_over = False
         timer = self.runtime.metrics.request()
@@ -194,11 +190,10 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             vocab_size = self.engine.config.model.vocab_size
             first_token = request.first_token_id
             if first_token >= vocab_size:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                raise InvalidArgument(
                     f"Decode: first_token_id must be in [0, {vocab_size}), got {first_token}")
             claimed_at = time.monotonic()
-            await self._wait_landed(reservation, context)
+            await self._wait_landed(reservation)
             log.debug("request %s: KV landed %.3f s after the Decode call arrived", request_id,
                       time.monotonic() - claimed_at)
             self.reservations.pop(request_id)  # consumed: the engine request owns the blocks now
@@ -218,7 +213,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 num_streamed += len(output.new_token_ids)
                 faults().after_decode_tokens(num_streamed)  # PDSERVE_FAULTS only
         except EngineDead as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise Unavailable(str(exc)) from exc
         finally:
             self.engine.unsubscribe(request_id)
             if handed_over and not finished:
@@ -228,28 +223,24 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     # ---- helpers ---------------------------------------------------------------------
 
-    async def _wait_landed(self, reservation: Reservation, context: grpc.aio.ServicerContext) -> None:
-        """Until every reserved block has landed; aborts the RPC on release or when the lease
-        (renewed by the prefill worker while it works) runs out; both name the prefill side as
-        the failed peer (trailing metadata), so the router migrates the request."""
+    async def _wait_landed(self, reservation: Reservation) -> None:
+        """Until every reserved block has landed; raises Aborted on release, DeadlineExceeded
+        when the lease (renewed by the prefill worker while it works) runs out; both name the
+        prefill side as the failed peer, so the router migrates the request."""
         while True:
             reservation.changed.clear()
             if reservation.state is LeaseState.RELEASED:
-                context.set_trailing_metadata(((FAILED_PEER_KEY, "prefill"),))
-                await context.abort(grpc.StatusCode.ABORTED,
-                                    f"Decode: reservation {reservation.reservation_id!r} was "
-                                    "released (the prefill side failed or was cancelled)")
+                raise Aborted(f"Decode: reservation {reservation.reservation_id!r} was released "
+                              "(the prefill side failed or was cancelled)", failed_peer="prefill")
             if reservation.is_landed:
                 return
             remaining = reservation.expires_at - time.monotonic()
             if remaining <= 0:
-                context.set_trailing_metadata(((FAILED_PEER_KEY, "prefill"),))
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise DeadlineExceeded(
                     f"Decode: KV of {reservation.reservation_id!r} did not land before its lease "
                     f"ran out ({self.lease_s:g} s after the claim or the prefill worker's last "
                     f"renewal; {len(reservation.landed_block_ids)} of "
-                    f"{len(reservation.block_ids)} blocks)")
+                    f"{len(reservation.block_ids)} blocks)", failed_peer="prefill")
             try:
                 await asyncio.wait_for(reservation.changed.wait(), remaining)
             except asyncio.TimeoutError:

@@ -4,9 +4,10 @@
 chunks, written straight into the reserved blocks as they arrive; the receiver queues one
 notification per finished push for the decode handler to drain.
 
-Status codes: FAILED_PRECONDITION when the peers are incompatible (the message names each
-differing field, both sides' values), INVALID_ARGUMENT for bad block ids or a malformed
-stream, DEADLINE_EXCEEDED / CANCELLED as gRPC reports them.
+Errors (services/common/errors.py): FailedPrecondition when the peers are incompatible (the
+message names each differing field, both sides' values), InvalidArgument for bad block ids or
+a malformed stream, DataLoss for a payload whose crc32 differs; DEADLINE_EXCEEDED / CANCELLED
+as gRPC reports them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 
 from engine.kv_transfer.base import KVHandshake, KVNotification, KVReceiver, KVTransferError
 from engine.kv_transfer.packing import write_packed_range
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument
 from services.common.pb import kv_pb2, kv_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.worker.kv_grpc import GrpcEndpoint
@@ -54,7 +56,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
         try:
             local.check_compatible(handshake_from_proto(request), sides=("receiver", "sender"))
         except KVTransferError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise FailedPrecondition(str(exc)) from exc
         return handshake_to_proto(local)
 
     async def PushBlocks(self, request_iterator: AsyncIterator[kv_pb2.PushBlocksChunk],
@@ -67,67 +69,56 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
         async for chunk in request_iterator:
             if header is None:
                 if not chunk.HasField("header"):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        "PushBlocks: the first chunk must carry the header")
+                    raise InvalidArgument("PushBlocks: the first chunk must carry the header")
                 header = chunk.header
-                error = _check_header(header, local)
-                if error is not None:
-                    await context.abort(*error)
+                check_header(header, local)
                 dst_block_ids = list(header.dst_block_ids)
             elif chunk.HasField("header"):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "PushBlocks: only the first chunk may carry a header")
+                raise InvalidArgument("PushBlocks: only the first chunk may carry a header")
             if not chunk.data:
                 continue
             if chunk.offset != received or received + len(chunk.data) > header.total_bytes:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"PushBlocks: chunk at offset {chunk.offset} with "
-                                    f"{len(chunk.data)} bytes; expected offset {received} and "
-                                    f"at most {header.total_bytes} bytes in all")
+                raise InvalidArgument(f"PushBlocks: chunk at offset {chunk.offset} with "
+                                      f"{len(chunk.data)} bytes; expected offset {received} and "
+                                      f"at most {header.total_bytes} bytes in all")
             write_packed_range(kv_cache, dst_block_ids, received, chunk.data)
             crc = zlib.crc32(chunk.data, crc)
             received += len(chunk.data)
         if header is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: empty stream")
+            raise InvalidArgument("PushBlocks: empty stream")
         if received != header.total_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"PushBlocks: stream ended after {received} of "
-                                f"{header.total_bytes} bytes")
+            raise InvalidArgument(f"PushBlocks: stream ended after {received} of "
+                                  f"{header.total_bytes} bytes")
         if header.HasField("crc32") and crc != header.crc32:
             # the blocks stay reserved and undelivered: the sender sees the push fail
-            await context.abort(grpc.StatusCode.DATA_LOSS,
-                                f"PushBlocks: payload crc32 {crc:#010x} != header crc32 "
-                                f"{header.crc32:#010x}: the KV of {header.request_id!r} was "
-                                "corrupted in transit")
+            raise DataLoss(f"PushBlocks: payload crc32 {crc:#010x} != header crc32 "
+                           f"{header.crc32:#010x}: the KV of {header.request_id!r} was "
+                           "corrupted in transit")
         self.receiver.deliver(KVNotification(header.request_id, tuple(dst_block_ids),
                                              sender=header.sender_agent_name or context.peer()))
         return kv_pb2.PushBlocksAck(request_id=header.request_id, num_blocks=len(dst_block_ids),
                                     num_bytes=received)
 
 
-def _check_header(header: kv_pb2.PushBlocksHeader,
-                  local: KVHandshake) -> tuple[grpc.StatusCode, str] | None:
-    """The status to fail a PushBlocks with, or None if the header is acceptable."""
+def check_header(header: kv_pb2.PushBlocksHeader, local: KVHandshake) -> None:
+    """Raise the ServiceError to fail a PushBlocks with; return if the header is acceptable."""
     compat = local.compat
     if header.compat_hash != compat.hash:
-        return (grpc.StatusCode.FAILED_PRECONDITION,
-                f"PushBlocks: compat hash {header.compat_hash[:12]} (sender dtype={header.dtype}, "
-                f"block_shape={list(header.block_shape)}) != receiver {compat.hash[:12]} "
-                f"(dtype={compat.dtype}, block_shape={list(compat.block_shape)}); "
-                "call Handshake first to see which fields differ")
+        raise FailedPrecondition(
+            f"PushBlocks: compat hash {header.compat_hash[:12]} (sender dtype={header.dtype}, "
+            f"block_shape={list(header.block_shape)}) != receiver {compat.hash[:12]} "
+            f"(dtype={compat.dtype}, block_shape={list(compat.block_shape)}); "
+            "call Handshake first to see which fields differ")
     ids = list(header.dst_block_ids)
     num_blocks = local.region.num_blocks
     if not ids:
-        return grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: no dst_block_ids"
+        raise InvalidArgument("PushBlocks: no dst_block_ids")
     bad = [b for b in ids if b >= num_blocks]
     if bad:
-        return (grpc.StatusCode.INVALID_ARGUMENT,
-                f"PushBlocks: dst block ids {bad[:8]} out of range [0, {num_blocks})")
+        raise InvalidArgument(f"PushBlocks: dst block ids {bad[:8]} out of range [0, {num_blocks})")
     if len(set(ids)) != len(ids):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"PushBlocks: dst block ids repeat: {ids[:16]}"
+        raise InvalidArgument(f"PushBlocks: dst block ids repeat: {ids[:16]}")
     expected = len(ids) * local.region.block_bytes
     if header.total_bytes != expected:
-        return (grpc.StatusCode.INVALID_ARGUMENT,
-                f"PushBlocks: total_bytes={header.total_bytes}, but {len(ids)} blocks of "
-                f"{local.region.block_bytes} bytes are {expected}")
-    return None
+        raise InvalidArgument(f"PushBlocks: total_bytes={header.total_bytes}, but {len(ids)} "
+                              f"blocks of {local.region.block_bytes} bytes are {expected}")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.kv_transfer.base import KVReceiver
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.pb import kv_pb2
 from services.decode.kv_grpc_receiver import GrpcKVReceiver, KVTransferServicer
 from services.decode.reservations import ReservationTable
@@ -28,13 +29,13 @@ class GuardedKVTransferServicer(KVTransferServicer):
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks: empty stream")
+            raise InvalidArgument("PushBlocks: empty stream") from None
         if not first.HasField("header"):  # the shared servicer rejects it with its message
             return await super().PushBlocks(_chain(first, chunks), context)
         header = first.header
         refusal = self.reservations.begin_push(header.request_id, list(header.dst_block_ids))
         if refusal is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"PushBlocks: {refusal}")
+            raise FailedPrecondition(f"PushBlocks: {refusal}")
         try:
             return await super().PushBlocks(_chain(first, chunks), context)
         finally:

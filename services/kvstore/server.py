@@ -2,20 +2,23 @@
 
 Protobuf stops here: requests become (compat hash, block hashes, bytes) calls on
 :class:`BlockStore`, which runs on the event loop's thread (every call is short: a dict walk or
-a memcpy of the blocks). Bad input answers INVALID_ARGUMENT (unknown compat, malformed hashes or
-sizes) or NOT_FOUND (a Get / PrepareRead for a block not held) with a message naming what was
-wrong; the store is left as it was and the service keeps serving.
+a memcpy of the blocks). Bad input raises InvalidArgument (unknown compat, malformed hashes or
+sizes) or NotFound (a Get / PrepareRead for a block not held) with a message naming what was
+wrong (services/common/errors.py; the server maps them to gRPC status); the store is left as it
+was and the service keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KV_WIRE_VERSION, KVHandshake, KVRegion
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.faults import faults
 from services.common.pb import kv_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
@@ -27,6 +30,7 @@ from services.kvstore.store import BlockStore, MissingBlocksError
 KVSTORE_SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
 CHUNK_BYTES = 4 * 1024 * 1024
 PROGRESS_INTERVAL_S = 0.002  # UCX progress while a NIXL read lease is live, never otherwise
+T = TypeVar("T")
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
@@ -43,17 +47,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
                         context: grpc.aio.ServicerContext) -> kv_pb2.KVHandshake:
         remote = handshake_from_proto(request)
         if remote.wire_version != KV_WIRE_VERSION:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV wire version differs: kvstore={KV_WIRE_VERSION} "
-                                f"client={remote.wire_version}; upgrade the older side")
+            raise FailedPrecondition(f"KV wire version differs: kvstore={KV_WIRE_VERSION} "
+                                     f"client={remote.wire_version}; upgrade the older side")
         if request.compat_hash != remote.compat.hash:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"compat_hash {request.compat_hash[:16]!r} is not the hash of the "
-                                f"compat sent ({remote.compat.hash[:16]!r})")
-        try:
-            region = self.store.register(remote.compat)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Handshake: {error}")
+            raise InvalidArgument(f"compat_hash {request.compat_hash[:16]!r} is not the hash of "
+                                  f"the compat sent ({remote.compat.hash[:16]!r})")
+        region = _checked("Handshake", self.store.register, remote.compat)
         if self.index is not None:
             await self.index.on_register(region.compat)
         if self.nixl is not None:
@@ -63,18 +62,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def Lookup(self, request: kvstore_pb2.KVStoreLookupRequest,
                      context: grpc.aio.ServicerContext) -> kvstore_pb2.KVStoreLookupReply:
-        try:
-            num_hits, present = self.store.lookup(request.compat_hash, _hashes(request.hashes))
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Lookup: {error}")
+        num_hits, present = _checked("Lookup", self.store.lookup, request.compat_hash,
+                                     _hashes(request.hashes))
         return kvstore_pb2.KVStoreLookupReply(num_prefix_hits=num_hits, present=present)
 
     async def Offer(self, request: kvstore_pb2.KVStoreOfferRequest,
                     context: grpc.aio.ServicerContext) -> kvstore_pb2.KVStoreOfferReply:
-        try:
-            wanted = self.store.offer(request.compat_hash, _hashes(request.hashes))
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Offer: {error}")
+        wanted = _checked("Offer", self.store.offer, request.compat_hash, _hashes(request.hashes))
         return kvstore_pb2.KVStoreOfferReply(accepted=wanted)
 
     async def Put(self, request_iterator: AsyncIterator[kvstore_pb2.KVStorePutChunk],
@@ -84,32 +78,25 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
         async for chunk in request_iterator:
             if header is None:
                 if not chunk.HasField("header"):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        "Put: the first chunk must carry the header")
+                    raise InvalidArgument("Put: the first chunk must carry the header")
                 header = chunk.header
                 error = self._check_put_header(header)
                 if error:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Put: {error}")
+                    raise InvalidArgument(f"Put: {error}")
             if chunk.offset != len(payload):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"Put: chunk at offset {chunk.offset}, expected {len(payload)} "
-                                    "(chunks must come in order)")
+                raise InvalidArgument(f"Put: chunk at offset {chunk.offset}, expected "
+                                      f"{len(payload)} (chunks must come in order)")
             if len(payload) + len(chunk.data) > header.total_bytes:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"Put: more than the {header.total_bytes} bytes the header says")
+                raise InvalidArgument(f"Put: more than the {header.total_bytes} bytes the header says")
             payload += chunk.data
         if header is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Put: empty stream")
+            raise InvalidArgument("Put: empty stream")
         if len(payload) != header.total_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"Put: got {len(payload)} bytes, the header says {header.total_bytes}")
+            raise InvalidArgument(f"Put: got {len(payload)} bytes, the header says {header.total_bytes}")
         hashes = _hashes(header.hashes)
-        try:
-            num_stored = self.store.put(header.compat_hash, hashes,
-                                        BlockHash(header.parent_hash) if header.parent_hash else None,
-                                        list(header.token_ids), payload)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Put: {error}")
+        num_stored = _checked("Put", self.store.put, header.compat_hash, hashes,
+                              BlockHash(header.parent_hash) if header.parent_hash else None,
+                              list(header.token_ids), payload)
         if self.index is not None:
             self.index.flush()
         else:
@@ -134,7 +121,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
 
     async def Get(self, request: kvstore_pb2.KVStoreGetRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[kvstore_pb2.KVStoreGetChunk]:
-        lease = await self._acquire("Get", request, context)
+        lease = self._acquire("Get", request)
         try:
             region = self.store.region(request.compat_hash)
             total = len(lease.slot_ids) * region.block_bytes
@@ -154,9 +141,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
     async def PrepareRead(self, request: kvstore_pb2.KVStoreReadRequest,
                           context: grpc.aio.ServicerContext) -> kvstore_pb2.KVStorePrepareReadReply:
         if self.nixl is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "PrepareRead: this kvstore runs without NIXL; use Get")
-        lease = await self._acquire("PrepareRead", request, context)
+            raise FailedPrecondition("PrepareRead: this kvstore runs without NIXL; use Get")
+        lease = self._acquire("PrepareRead", request)
         region = self.store.region(request.compat_hash)
         self._nixl_leases.add(lease.lease_id)
         if self._progress_task is None or self._progress_task.done():
@@ -187,15 +173,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
             used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
             has_nixl=self.nixl is not None)
 
-    async def _acquire(self, what: str, request: kvstore_pb2.KVStoreGetRequest
-                       | kvstore_pb2.KVStoreReadRequest, context: grpc.aio.ServicerContext) -> Lease:
+    def _acquire(self, what: str,
+                 request: kvstore_pb2.KVStoreGetRequest | kvstore_pb2.KVStoreReadRequest) -> Lease:
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
         try:
-            return self.store.acquire(request.compat_hash, _hashes(request.hashes), lease_s)
+            return _checked(what, self.store.acquire, request.compat_hash, _hashes(request.hashes),
+                            lease_s)
         except MissingBlocksError as error:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{what}: {error.args[0]}")
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {error}")
+            raise NotFound(f"{what}: {error.args[0]}") from error
 
     async def _progress(self) -> None:
         """Drive UCX while NIXL read leases are live (released or expired ends it)."""
@@ -207,6 +192,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServiceServicer):
             self.nixl.progress()
             await asyncio.sleep(PROGRESS_INTERVAL_S)
             self._nixl_leases = {i for i in self._nixl_leases if self.store.is_leased(i)}
+
+
+def _checked(what: str, call: Callable[..., T], *args: object) -> T:
+    """``call(*args)``; the store's ValueError (bad input: unknown compat, malformed hashes
+    or sizes) as InvalidArgument naming the RPC. MissingBlocksError passes through."""
+    try:
+        return call(*args)
+    except MissingBlocksError:
+        raise
+    except ValueError as error:
+        raise InvalidArgument(f"{what}: {error}") from error
 
 
 def _hashes(raw: object) -> list[BlockHash]:

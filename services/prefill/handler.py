@@ -21,7 +21,8 @@ told to ReleaseBlocks — in that order, so no write lands in released blocks. E
 call holds is freed on both workers, whatever the request's state in the engine (queued,
 running, preempted, held, or still being added when the call was cancelled). Errors that
 concern the decode worker carry trailing metadata ``pdserve-failed-peer: decode`` so the
-router can pick another one.
+router can pick another one (``failed_peer``; the errors are services/common/errors.py's, sent
+as soon as they are raised, before the cleanup: ``grpc_errors.status_first``).
 
 Prefill writes with ``context.write`` from a coroutine (not an async generator), so a cancel
 runs its cleanup at once rather than when the generator is garbage collected.
@@ -33,6 +34,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 
@@ -40,17 +43,23 @@ from engine.config import Role
 from engine.kv_transfer.base import KVTransferError
 from engine.sampling_params import SamplingParams
 from services.common.async_engine import EngineDead
+from services.common.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+)
 from services.common.faults import faults
+from services.common.grpc_errors import service_error_of, status_first
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import (
-    FAILED_PEER_KEY,
-    KV_FULL_KEY,
     METHOD_NAMES,
     PREFILL_SERVICE_NAME,
     finish_to_proto,
     logprobs_list_to_proto,
     logprobs_to_proto,
-    params_from_proto,
     transfer_methods,
     ttft_stages_to_proto,
 )
@@ -58,24 +67,19 @@ from services.prefill.decode_peers import DecodePeer, DecodePeers
 from services.prefill.lease import LeaseKeeper, LeaseLost
 from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
-from services.worker.admission import Pending, QueueLimit, WorkerFull
+from services.prefill.ttft_clock import TtftClock
+from services.worker.admission import Pending, QueueLimit
+from services.worker.request_params import one_sample_params
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
+
+if TYPE_CHECKING:  # engine.scheduler.output imports torch; so does this module anyway
+    from engine.scheduler.output import RequestOutput
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 2.0
 SETTLE_TIMEOUT_S = 10.0
-
-
-class PrefillAbort(Exception):
-    """End the RPC with ``code``; ``peer`` = 'decode' when the decode worker is the cause;
-    ``kv_full``: the decode worker had no free KV blocks (wire.KV_FULL_KEY)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, peer: str = "",
-                 kv_full: bool = False) -> None:
-        super().__init__(message)
-        self.code, self.message, self.peer, self.kv_full = code, message, peer, kv_full
 
 
 class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
@@ -111,21 +115,12 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
                       context: grpc.aio.ServicerContext) -> None:
         job = pending = None
         try:
-            try:
-                pending = self.queue_limit.admit()
-            except WorkerFull as exc:
-                raise PrefillAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Prefill: {exc}", "prefill") from exc
-            job = _PrefillJob(self, request, pending)
-            async with contextlib.aclosing(job.run()) as responses:
-                async for response in responses:
-                    await context.write(response)
-        except PrefillAbort as exc:
-            metadata = ((FAILED_PEER_KEY, exc.peer),) if exc.peer else ()
-            if exc.kv_full:
-                metadata += ((KV_FULL_KEY, "1"),)
-            if metadata:
-                context.set_trailing_metadata(metadata)
-            await context.abort(exc.code, exc.message)
+            async with status_first(context):  # the router may retry while cleanup runs
+                pending = self.queue_limit.admit("Prefill", failed_peer="prefill")
+                job = _PrefillJob(self, request, pending)
+                async with contextlib.aclosing(job.run()) as responses:
+                    async for response in responses:
+                        await context.write(response)
         finally:
             if pending is not None:
                 pending.done()
@@ -146,21 +141,14 @@ class _PrefillJob:
         self.target = request.decode
         self.proto_params = request.sampling_params
         if not self.request_id:
-            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill: request_id is empty")
-        try:
-            self.params: SamplingParams = params_from_proto(request.sampling_params)
-        except ValueError as exc:
-            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
-        if self.params.n != 1:
-            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"Prefill: n={self.params.n}; a prefill carries one sample, the "
-                               "router sends n > 1 as n requests")
+            raise InvalidArgument("Prefill: request_id is empty")
+        self.params: SamplingParams = one_sample_params(request.sampling_params, "Prefill")
         self.method = request.transfer_method or worker.default_method
         if self.method not in worker.pushers:
-            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"Prefill: transfer method {METHOD_NAMES.get(self.method, self.method)} "
-                               f"is not enabled on {worker.runtime.worker_id} (started with "
-                               f"--transfer {worker.runtime.args.transfer})")
+            raise FailedPrecondition(
+                f"Prefill: transfer method {METHOD_NAMES.get(self.method, self.method)} is not "
+                f"enabled on {worker.runtime.worker_id} (started with --transfer "
+                f"{worker.runtime.args.transfer})")
         self.peer: DecodePeer | None = None
         self.reservation: worker_pb2.BlockReservation | None = None
         self.lease: LeaseKeeper | None = None
@@ -169,101 +157,118 @@ class _PrefillJob:
         # cancelled while waiting for it, so cleanup waits for it before dropping the request.
         self.adding: asyncio.Future | None = None
         self.subscribed = self.handed_off = False
+        self.ends_request = False  # the first token finished the request (stop or length)
         self.transfer_started_at: float | None = None  # the first chunk push (transfer metrics)
         self.timer = worker.runtime.metrics.request()
+        self.ttft = TtftClock()
 
-    async def run(self):
-        started = time.monotonic()
-        # max_tokens == 1: the first token ends the request, no decode worker is involved.
-        stages: dict[str, float] = {}  # this worker's TTFT stages (FirstToken.stages), seconds
-        if self.params.max_tokens != 1:
+    async def run(self) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        """The call's responses, in the order of the module docstring."""
+        if self.params.max_tokens != 1:  # 1: the first token ends the request, no decode worker
             reservation = await self._reserve()
-            stages["decode_admit"] = time.monotonic() - started
+            self.ttft.on_reserved()
             yield worker_pb2.PrefillResponse(request_id=self.request_id, reservation=reservation)
-        queued_at = time.monotonic()
+        queue = await self._add_request()
+        async for response in self._compute(queue):
+            yield response
+        async for response in self._hand_off():
+            yield response
+
+    async def _add_request(self) -> asyncio.Queue:
+        """Subscribe to the request's outputs and add it to the engine; its output queue."""
+        self.ttft.on_queued()
         try:
             queue = self.engine.subscribe(self.request_id)
         except ValueError as exc:
-            raise PrefillAbort(grpc.StatusCode.ALREADY_EXISTS, f"Prefill: {exc}") from exc
+            raise AlreadyExists(f"Prefill: {exc}") from exc
         self.subscribed = True
         self.adding = asyncio.ensure_future(self.engine.call(
             lambda core: core.add_request(self.request_id, self.prompt, self.params)))
         try:
             await asyncio.shield(self.adding)
         except ValueError as exc:
-            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Prefill: {exc}") from exc
+            raise InvalidArgument(f"Prefill: {exc}") from exc
         finally:
             if self.pending is not None:
                 self.pending.done()
         self.timer.on_scheduled()
-        taken_at = time.monotonic()
-        push_s = 0.0  # pushing chunks before the first token: the transfer's share of TTFT
-        ends_request = False
-        first_token_at: float | None = None
+        self.ttft.on_taken()
+        return queue
+
+    async def _compute(self, queue: asyncio.Queue) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        """Until the engine finishes the request: the first token, and the progress of the
+        blocks pushed after each step."""
         while True:
             output = await self._next_output(queue)
             self.timer.on_output(len(output.new_token_ids))
             if output.finish_reason in ("abort", "error"):
-                raise PrefillAbort(grpc.StatusCode.INTERNAL,
-                                   f"Prefill: the engine ended the request ({output.finish_reason}"
-                                   f"{': ' + output.error if output.error else ''})")
+                raise Internal(f"Prefill: the engine ended the request ({output.finish_reason}"
+                               f"{': ' + output.error if output.error else ''})")
             if output.new_token_ids:
-                token_id = output.new_token_ids[0]
-                ends_request = output.finish_reason in ("stop", "length")
-                reason = output.finish_reason if ends_request else None
-                stop_token_id = output.stop_reason if isinstance(output.stop_reason, int) else None
-                first = worker_pb2.FirstToken(
-                    token_id=token_id, finish_reason=finish_to_proto(reason),
-                    num_cached_prompt_tokens=output.num_cached_tokens,
-                    prompt_logprobs=logprobs_list_to_proto(output.prompt_logprobs))
-                if output.new_logprobs:
-                    first.logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[0]))
-                if stop_token_id is not None:
-                    first.stop_token_id = stop_token_id
-                first_token_at = time.monotonic()
-                stages["prefill_queue"] = taken_at - queued_at
-                stages["prefill_compute"] = first_token_at - taken_at - push_s
-                if self.transfer is not None:
-                    stages["kv_transfer"] = push_s
-                first.stages.CopyFrom(ttft_stages_to_proto(stages))
-                self.worker.prefix_counters.add(len(self.prompt), output.num_cached_tokens)
-                faults().before_first_token()  # PDSERVE_FAULTS only
-                yield worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
-            if self.transfer is not None and not ends_request:
-                push_started = time.monotonic()
-                if self.transfer_started_at is None:
-                    self.transfer_started_at = push_started
-                has_progress = await self._push(output.num_computed_tokens)
-                if first_token_at is None:
-                    push_s += time.monotonic() - push_started
-                if has_progress:
+                yield self._first_token(output)
+            if self.transfer is not None and not self.ends_request:
+                if await self._push_timed(output.num_computed_tokens):
                     yield self._progress()
             if output.finished:
                 break
-        self.timer.on_finished("prefilled" if not ends_request else output.finish_reason, len(self.prompt))
-        if self.transfer is None or ends_request:
+        self.timer.on_finished("prefilled" if not self.ends_request else output.finish_reason,
+                               len(self.prompt))
+
+    def _first_token(self, output: RequestOutput) -> worker_pb2.PrefillResponse:
+        """The FirstToken response of the output that carries it, with the TTFT stages."""
+        self.ends_request = output.finish_reason in ("stop", "length")
+        reason = output.finish_reason if self.ends_request else None
+        first = worker_pb2.FirstToken(
+            token_id=output.new_token_ids[0], finish_reason=finish_to_proto(reason),
+            num_cached_prompt_tokens=output.num_cached_tokens,
+            prompt_logprobs=logprobs_list_to_proto(output.prompt_logprobs))
+        if output.new_logprobs:
+            first.logprobs.CopyFrom(logprobs_to_proto(output.new_logprobs[0]))
+        if isinstance(output.stop_reason, int):
+            first.stop_token_id = output.stop_reason
+        first.stages.CopyFrom(ttft_stages_to_proto(self.ttft.on_first_token(self.transfer is not None)))
+        self.worker.prefix_counters.add(len(self.prompt), output.num_cached_tokens)
+        faults().before_first_token()  # PDSERVE_FAULTS only
+        return worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
+
+    async def _push_timed(self, num_computed_tokens: int) -> bool:
+        """``_push``, timing it as the transfer's share of TTFT until the first token."""
+        push_started = time.monotonic()
+        if self.transfer_started_at is None:
+            self.transfer_started_at = push_started
+        has_progress = await self._push(num_computed_tokens)
+        self.ttft.on_pushed(time.monotonic() - push_started)
+        return has_progress
+
+    async def _hand_off(self) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        """Wait for every push to be confirmed (progress meanwhile), then the last response
+        (done); from then on the decode worker owns the reservation."""
+        transfer = self.transfer
+        if transfer is None or self.ends_request:
             yield self._progress(done=True)
             return
         try:
-            async for _ in self.transfer.wait_all():
-                if not self.transfer.is_done:
+            async for _ in transfer.wait_all():
+                if not transfer.is_done:
                     yield self._progress()
         except TransferFailed as exc:
             self._fail_transfer(exc)
         self.handed_off = True
+        now = time.monotonic()
         self.worker.runtime.metrics.transfer.done(
-            METHOD_NAMES[self.method], time.monotonic() - (self.transfer_started_at or time.monotonic()),
-            self.transfer.num_blocks_sent * self.worker.block_bytes)
+            METHOD_NAMES[self.method], now - (self.transfer_started_at or now),
+            transfer.num_blocks_sent * self.worker.block_bytes)
+        first_token_at = self.ttft.first_token_at or now
         log.debug("request %s: %d prompt tokens, first token after %.3f s, %d blocks pushed "
-                  "(%s) %.3f s later", self.request_id, len(self.prompt), first_token_at - started,
-                  self.transfer.num_blocks_total, METHOD_NAMES[self.method],
-                  time.monotonic() - first_token_at)
+                  "(%s) %.3f s later", self.request_id, len(self.prompt),
+                  first_token_at - self.ttft.started_at, transfer.num_blocks_total,
+                  METHOD_NAMES[self.method], now - first_token_at)
         yield self._progress(done=True)
 
     async def _reserve(self) -> worker_pb2.BlockReservation:
         worker = self.worker
         if not self.target.address:
-            raise PrefillAbort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill: decode.address is empty")
+            raise InvalidArgument("Prefill: decode.address is empty")
         self.peer = worker.peers.get(self.target.address)
         pusher = worker.pushers[self.method]
         try:
@@ -273,16 +278,15 @@ class _PrefillJob:
                 request_id=self.request_id, prompt_token_ids=self.prompt,
                 sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S)
         except KVTransferError as exc:
-            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
-        except grpc.aio.AioRpcError as exc:
-            kv_full = any(key == KV_FULL_KEY for key, _ in exc.trailing_metadata() or ())
-            raise PrefillAbort(exc.code(), f"decode worker {self.target.address}: {exc.details()}",
-                               "decode", kv_full) from exc
+            raise FailedPrecondition(str(exc), failed_peer="decode") from exc
+        except grpc.aio.AioRpcError as exc:  # passed on as the same kind
+            raise service_error_of(exc, f"decode worker {self.target.address}: {exc.details()}",
+                                   failed_peer="decode") from exc
         self.reservation = reservation = reply.reservation
         if reservation.lease_ms == 0:
-            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"decode worker {self.target.address} granted reservation "
-                               f"{reservation.reservation_id!r} a lease of 0 ms", "decode")
+            raise FailedPrecondition(f"decode worker {self.target.address} granted reservation "
+                                     f"{reservation.reservation_id!r} a lease of 0 ms",
+                                     failed_peer="decode")
         self.lease = LeaseKeeper(self.peer.decode, reservation.reservation_id,
                                  reservation.lease_ms / 1000, sent_at, self.target.address)
         self.lease.start()
@@ -293,7 +297,7 @@ class _PrefillJob:
                                             len(self.prompt), self.lease,
                                             reservation.num_cached_blocks)
         except TransferFailed as exc:
-            raise PrefillAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "decode") from exc
+            raise FailedPrecondition(str(exc), failed_peer="decode") from exc
         return reservation
 
     async def _next_output(self, queue: asyncio.Queue):
@@ -305,11 +309,10 @@ class _PrefillJob:
             return await self.lease.hold_while(self.engine.next_output(queue))
         except LeaseLost as exc:
             if exc.expired:
-                raise PrefillAbort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Prefill: {exc}",
-                                   "decode") from exc
+                raise DeadlineExceeded(f"Prefill: {exc}", failed_peer="decode") from exc
             self._fail_transfer(exc)
         except EngineDead as exc:
-            raise PrefillAbort(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise Unavailable(str(exc)) from exc
 
     async def _push(self, num_computed_tokens: int) -> bool:
         """Push newly final blocks; True if more blocks were confirmed since the last call."""
@@ -329,13 +332,12 @@ class _PrefillJob:
         except TransferFailed as exc:
             self._fail_transfer(exc)
 
-    def _fail_transfer(self, exc: TransferFailed) -> None:
+    def _fail_transfer(self, exc: TransferFailed) -> NoReturn:
         self.worker.runtime.metrics.transfer.failed(METHOD_NAMES[self.method])
         self.peer.forget(self.method)
         log.warning("request %s: %s", self.request_id, exc)
-        raise PrefillAbort(grpc.StatusCode.UNAVAILABLE,
-                           f"Prefill: KV transfer to decode worker {self.target.address} failed: {exc}",
-                           "decode") from exc
+        raise Unavailable(f"Prefill: KV transfer to decode worker {self.target.address} failed: "
+                          f"{exc}", failed_peer="decode") from exc
 
     def _progress(self, done: bool = False) -> worker_pb2.PrefillResponse:
         transfer = self.transfer
@@ -365,7 +367,6 @@ class _PrefillJob:
             except grpc.aio.AioRpcError as exc:  # its lease frees them if it is alive
                 log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
                             self.target.address, exc.details())
-
 
     def _count_transfer(self) -> None:
         transfer, counters = self.transfer, self.worker.transfer_counters

@@ -18,24 +18,32 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.kv_transfer.base import RemoteInfo, TransferHandle, TransferState
 from engine.mathutils import cdiv
 from services.prefill.pusher import KVPusher
-
-if TYPE_CHECKING:
-    from services.prefill.lease import LeaseKeeper
 
 
 class TransferFailed(RuntimeError):
     """A push failed or did not finish in time; the request cannot be handed to decode."""
 
 
+class WriteLease(Protocol):
+    """What a transfer needs of the reservation's lease (lease.py's LeaseKeeper)."""
+
+    @property
+    def deadline(self) -> float:
+        """time.monotonic() after which no write may start."""
+
+    def check(self) -> None:
+        """Raise TransferFailed (LeaseLost) unless writes are still allowed now."""
+
+
 class RequestTransfer:
     def __init__(self, pusher: KVPusher, remote: RemoteInfo, request_id: str,
                  dst_block_ids: Sequence[int], block_size: int, num_prompt_tokens: int,
-                 lease: LeaseKeeper, num_cached_blocks: int = 0) -> None:
+                 lease: WriteLease, num_cached_blocks: int = 0) -> None:
         num_prompt_blocks = cdiv(num_prompt_tokens, block_size)
         if len(dst_block_ids) != num_prompt_blocks:
             raise TransferFailed(f"the decode worker reserved {len(dst_block_ids)} blocks for a "

@@ -4,8 +4,9 @@ hold them, parsed from the dict (or YAML file) ``build_pdserve_app`` receives.
     PdserveServingArgs.from_dict({"transfer": "grpc", "decode": {"num_replicas": 2}})
 
 Validation follows Ray Serve LLM's PD builder: both worker roles must build the same KV layout
-(one compat hash: same ``--model``, ``--block-size`` and ``--dtype``) and a KV transport must be
-named. Every error is a ValueError that names the key.
+(one compat hash: every KVCompat field their engine flags decide, --model, --block-size,
+--dtype, --kv-cache-dtype, ...; kv_layout.py) and a KV transport must be named. Every error
+is a ValueError that names the key.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from services.ray.kv_layout import KVLayout
+
 TRANSFERS = ("nixl", "grpc")
 ROLES = ("router", "prefill", "decode", "kvstore")
-# Flags that decide the KV block layout: prefill and decode must agree on them.
-COMPAT_FLAGS = ("--model", "--block-size", "--dtype")
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,13 @@ class PdserveServingArgs:
             raise ValueError(f"kvstore_gib must be > 0, got {self.kvstore_gib}")
         if self.startup_timeout_s <= 0 or self.drain_grace_s < 0:
             raise ValueError("startup_timeout_s must be > 0 and drain_grace_s >= 0")
-        for flag in COMPAT_FLAGS:
-            prefill, decode = self.prefill.flag(flag), self.decode.flag(flag)
-            if prefill != decode:
-                raise ValueError(f"prefill and decode must build the same KV layout (one compat "
-                                 f"hash): {flag} is {prefill!r} for prefill, {decode!r} for decode")
+        self.kv_layout("prefill").check_matches(self.kv_layout("decode"))
+
+    def kv_layout(self, role: str) -> KVLayout:
+        """The KV layout the ``role`` workers' flags (``model``, then the role's ``args``)
+        build. ValueError naming the role for a bad engine flag."""
+        config: RoleConfig = getattr(self, role)
+        try:
+            return KVLayout.of_argv([*(["--model", self.model] if self.model else []), *config.args])
+        except ValueError as error:
+            raise ValueError(f"{role}.args: {error}") from error

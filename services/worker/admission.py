@@ -16,7 +16,7 @@ worker accepted whose request the engine has not taken yet (``pending``): an eng
 take a while, and calls arriving meanwhile would all see the old count. So at most
 ``max_waiting_requests`` requests wait, however many calls arrive at once::
 
-    pending = queue_limit.admit()        # WorkerFull (its message says why) when full
+    pending = queue_limit.admit("Prefill", failed_peer="prefill")   # WorkerFull when full
     ...                                  # reserve, then add the request to the engine
     pending.done()                       # once the engine took it, or the call ended (idempotent)
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.async_engine import AsyncEngine
+from services.common.errors import ResourceExhausted
 from services.common.settings import add_env_argument
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
@@ -52,11 +53,12 @@ class QueueLimit:
     def from_args(cls, engine: AsyncEngine, args: argparse.Namespace, worker_id: str) -> QueueLimit:
         return cls(engine, getattr(args, "max_waiting_requests", 0), worker_id)
 
-    def admit(self) -> Pending:
-        """A pending place for one request; WorkerFull when the queue is full."""
+    def admit(self, rpc: str, failed_peer: str = "") -> Pending:
+        """A pending place for one request of the ``rpc`` call; WorkerFull (its message names
+        ``rpc``, ``failed_peer`` says which role was full) when the queue is full."""
         refusal = self.refusal()
         if refusal is not None:
-            raise WorkerFull(refusal)
+            raise WorkerFull(f"{rpc}: {refusal}", failed_peer=failed_peer)
         self.num_pending += 1
         return Pending(self)
 
@@ -71,8 +73,8 @@ class QueueLimit:
                 f"(--max-waiting-requests {self.max_waiting_requests}); try another worker or later")
 
 
-class WorkerFull(Exception):
-    """The worker's queue is full: answer RESOURCE_EXHAUSTED with this message."""
+class WorkerFull(ResourceExhausted):
+    """The worker's queue is full (RESOURCE_EXHAUSTED with this message)."""
 
 
 class Pending:

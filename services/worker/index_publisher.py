@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING
 
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat
@@ -20,9 +19,6 @@ from services.common.async_engine import AsyncEngine
 from services.index.publisher import IndexPublisher, PublisherConfig
 from services.index.schema import IndexMeta, WorkerInfo
 from services.index.settings import LEASE_HEARTBEATS
-
-if TYPE_CHECKING:
-    from services.worker.server import WorkerRuntime
 
 log = logging.getLogger(__name__)
 HOLDINGS_TIMEOUT_S = 10.0  # the engine thread may be in a long prefill step
@@ -35,16 +31,17 @@ def index_meta(model_name: str, engine: AsyncEngine) -> IndexMeta:
 
 
 class WorkerIndexPublisher:
-    """Publishes one worker's prefix cache while the worker serves; see the module docstring."""
+    """Publishes one worker's prefix cache while the worker serves; see the module docstring.
+    ``worker_id`` / ``role`` / ``grpc_address`` name it in the index at ``redis_url``, renewed
+    every ``heartbeat_s`` seconds."""
 
-    def __init__(self, runtime: WorkerRuntime, grpc_address: str) -> None:
-        self._engine = runtime.engine
-        heartbeat_s = runtime.args.index_heartbeat_s
+    def __init__(self, engine: AsyncEngine, model_name: str, worker_id: str, role: str,
+                 grpc_address: str, redis_url: str, heartbeat_s: float) -> None:
+        self._engine = engine
         config = PublisherConfig(heartbeat_s=heartbeat_s, lease_ms=int(LEASE_HEARTBEATS * heartbeat_s * 1000),
                                  max_backoff_s=heartbeat_s, min_backoff_s=min(0.1, heartbeat_s))
-        worker = WorkerInfo(runtime.worker_id, runtime.role.value, node=socket.gethostname(),
-                            grpc=grpc_address)
-        self.publisher = IndexPublisher(runtime.args.redis_url, index_meta(runtime.model_name, self._engine),
+        worker = WorkerInfo(worker_id, role, node=socket.gethostname(), grpc=grpc_address)
+        self.publisher = IndexPublisher(redis_url, index_meta(model_name, engine),
                                         worker, self._holdings, self._load, config)
         self._loop: asyncio.AbstractEventLoop | None = None
 

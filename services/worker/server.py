@@ -155,7 +155,9 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
         log.info("%s worker %s serving on %s (transfer %s, %d KV blocks)", runtime.role.value,
                  runtime.worker_id, server.address, args.transfer, engine.stats().num_total_blocks)
         if getattr(args, "redis_url", ""):
-            index = WorkerIndexPublisher(runtime, server.address)
+            index = WorkerIndexPublisher(runtime.engine, runtime.model_name, runtime.worker_id,
+                                         runtime.role.value, server.address, args.redis_url,
+                                         args.index_heartbeat_s)
             runtime.metrics.attach_index_counts(index.publisher.counts)
             await index.start()
         print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)

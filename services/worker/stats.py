@@ -17,6 +17,7 @@ from engine.args import EngineArgs
 from engine.kv_transfer.base import KVCompat
 from engine.stats import EngineStats
 from services.common.engine_flags import engine_argv
+from services.common.errors import Unavailable
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import compat_to_proto, tier_stats_to_proto
 
@@ -85,7 +86,7 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             stats = await self.read_stats()
         except RuntimeError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"GetStats: {error}")
+            raise Unavailable(f"GetStats: {error}") from error
         tiers = tier_stats_to_proto(stats.tiers)
         for tier in tiers:
             if tier.tier == worker_pb2.CACHE_TIER_KVSTORE and self.kvstore_counters is not None:

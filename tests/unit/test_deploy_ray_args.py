@@ -74,14 +74,59 @@ def test_serve_run_builder_path_builds_the_app() -> None:
         call_user_app_builder_with_args_if_necessary(build_pdserve_app, {})
 
 
-def test_cli_rejects_a_bad_config_before_starting_ray(tmp_path) -> None:
+@pytest.mark.parametrize("config, refusal", [
+    ("transfer: grpc\ndecode: {num_replicas: -1}\n", "decode.num_replicas must be >= 1"),
+    ("transfer: grpc\nprefill: {args: [--kv-cache-dtype, int8]}\n"
+     "decode: {args: [--kv-cache-dtype, fp32]}\n",
+     "dtype is 'int8' for prefill, 'float32' for decode (set by --kv-cache-dtype)"),
+])
+def test_cli_rejects_a_bad_config_before_starting_ray(tmp_path, config: str, refusal: str) -> None:
     import subprocess
     import sys
 
     from tests.integration.cluster_fixtures import REPO
 
     path = tmp_path / "app.yaml"
-    path.write_text("transfer: grpc\ndecode: {num_replicas: -1}\n")
+    path.write_text(config)
     result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "ray", "--config",
                              str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "decode.num_replicas must be >= 1" in result.stderr, result
+    assert result.returncode == 2 and refusal in result.stderr, result
+
+def test_a_kv_cache_dtype_mismatch_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"dtype is 'int8' for prefill, 'float32' for decode "
+                                         r"\(set by --kv-cache-dtype\)"):
+        PdserveServingArgs.from_dict({"transfer": "grpc",
+                                      "prefill": {"args": ["--kv-cache-dtype", "int8"]}})
+    with pytest.raises(ValueError, match="set by --dtype, --kv-cache-dtype"):
+        PdserveServingArgs.from_dict({"transfer": "grpc",
+                                      "prefill": {"args": ["--kv-cache-dtype=fp8"]},
+                                      "decode": {"args": ["--dtype", "bfloat16"]}})
+
+
+def test_flags_that_build_the_same_layout_pass() -> None:
+    """Spelled differently, the same cache: auto on fp32 is fp32; other flags may differ."""
+    args = PdserveServingArgs.from_dict({"transfer": "grpc", "model": "/m.gguf",
+                                         "prefill": {"args": ["--kv-cache-dtype", "fp32",
+                                                              "--num-kv-blocks", "64"]},
+                                         "decode": {"args": ["--spec-method", "ngram",
+                                                             "--reservation-lease-ms", "900"]}})
+    assert args.kv_layout("prefill").values == args.kv_layout("decode").values
+    assert args.kv_layout("decode").values["dtype"] == "float32"
+
+
+def test_a_model_mismatch_and_a_bad_engine_flag_name_the_role() -> None:
+    with pytest.raises(ValueError, match="model_name is '/a.gguf' for prefill, '/b.gguf' for "
+                                         r"decode \(set by --model\)"):
+        PdserveServingArgs.from_dict({"transfer": "grpc", "model": "/a.gguf",
+                                      "decode": {"args": ["--model", "/b.gguf"]}})
+    with pytest.raises(ValueError, match="decode.args: .*--kv-cache-dtype"):
+        PdserveServingArgs.from_dict({"transfer": "grpc",
+                                      "decode": {"args": ["--kv-cache-dtype", "int9"]}})
+
+
+def test_every_kv_compat_field_is_read_from_the_engine_config() -> None:
+    """A KVCompat field that no CacheConfig / ModelConfig field holds would be compared by its
+    default only: the one such field is the code's layout version."""
+    from services.ray.kv_layout import constant_fields
+
+    assert constant_fields() == ["layout_version"]

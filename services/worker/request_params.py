@@ -1,0 +1,21 @@
+"""A worker's sampling parameters from the wire, checked once for every RPC that takes them."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from services.common.errors import InvalidArgument
+from services.common.pb import generate_pb2
+from services.common.wire import params_from_proto
+
+
+def one_sample_params(proto: generate_pb2.SamplingParams, rpc: str) -> SamplingParams:
+    """``proto`` as SamplingParams for one sample; InvalidArgument naming ``rpc`` for a bad
+    value or n > 1 (the router sends n samples as n requests)."""
+    try:
+        params = params_from_proto(proto)
+    except ValueError as exc:
+        raise InvalidArgument(f"{rpc}: {exc}") from exc
+    if params.n != 1:
+        raise InvalidArgument(f"{rpc}: n={params.n}; a worker request carries one sample, the "
+                              "router sends n > 1 as n requests")
+    return params
