@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, Role
 from engine.kv_cache.quant_format import is_quantized
 from engine.kv_cache.storage import allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
@@ -96,8 +96,8 @@ class ModelRunner:
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | NoDecodeGraphs:
         """Decode steps as CUDA graphs, captured now (``engine/runner/cuda_graphs.py``), on CUDA
-        unless ``enforce_eager``."""
-        if self.device.type != "cuda" or config.enforce_eager:
+        unless ``enforce_eager``; a prefill worker's engine never decodes, so it captures none."""
+        if self.device.type != "cuda" or config.enforce_eager or config.scheduler.role == Role.PREFILL:
             return NoDecodeGraphs()
         graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
                               config.model.max_model_len, self.block_size, CudaGraphCapture())
