@@ -84,6 +84,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         self.receivers = ()
         self._housekeeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # ReserveBlocks calls in the engine now -> whether a ReleaseBlocks came for them meanwhile
+        self._reserving: dict[str, bool] = {}
 
     async def start(self):
         self.receivers = make_receivers(self.runtime.args.transfer, self.runtime.model_name,
@@ -115,11 +117,18 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             params = params_from_proto(request.sampling_params)  # bad words come tokenized
             reserving = asyncio.ensure_future(
                 self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
+            self._reserving[reservation_id] = False
             try:
                 reserved = await asyncio.shield(reserving)
             except asyncio.CancelledError:  # the caller gave up (deadline, cancel): undo
                 self._spawn(self._undo_reserve(reserving, reservation_id))
                 raise
+            finally:
+                released_meanwhile = self._reserving.pop(reservation_id, False)
+            if released_meanwhile:  # the caller gave up and said so before its cancel got here
+                self._spawn(self._undo_reserve(reserving, reservation_id))
+                await context.abort(grpc.StatusCode.CANCELLED,
+                                    f"ReserveBlocks: {reservation_id!r} was released while reserving")
         except ValueError as exc:
             raise InvalidArgument(f"ReserveBlocks: {exc}") from exc
         except EngineDead as exc:
@@ -148,6 +157,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
     async def ReleaseBlocks(self, request: worker_pb2.ReleaseBlocksRequest,
                             context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseBlocksResponse:
         reservation = self.reservations.get(request.reservation_id)
+        if request.reservation_id in self._reserving:  # undone when the engine has reserved
+            self._reserving[request.reservation_id] = True
         if reservation is None or reservation.state is LeaseState.RELEASED:
             return worker_pb2.ReleaseBlocksResponse(num_blocks_freed=0)
         was_claimed = reservation.state is LeaseState.CLAIMED

@@ -151,6 +151,7 @@ class _PrefillJob:
                 f"{worker.runtime.args.transfer})")
         self.peer: DecodePeer | None = None
         self.reservation: worker_pb2.BlockReservation | None = None
+        self.reserve_unanswered = False  # ReserveBlocks cancelled or timed out: it may have reserved
         self.lease: LeaseKeeper | None = None
         self.transfer: RequestTransfer | None = None
         # add_request as queued on the engine thread: it is applied even if this call is
@@ -253,7 +254,6 @@ class _PrefillJob:
                     yield self._progress()
         except TransferFailed as exc:
             self._fail_transfer(exc)
-        self.handed_off = True
         now = time.monotonic()
         self.worker.runtime.metrics.transfer.done(
             METHOD_NAMES[self.method], now - (self.transfer_started_at or now),
@@ -264,6 +264,10 @@ class _PrefillJob:
                   first_token_at - self.ttft.started_at, transfer.num_blocks_total,
                   METHOD_NAMES[self.method], now - first_token_at)
         yield self._progress(done=True)
+        # Written: the router has the last event and releases the reservation itself if it
+        # leaves before the Decode call claimed it. Cancelled before this point, it cannot know
+        # the transfer ended, so cleanup releases it.
+        self.handed_off = True
 
     async def _reserve(self) -> worker_pb2.BlockReservation:
         worker = self.worker
@@ -274,12 +278,18 @@ class _PrefillJob:
         try:
             remote = await self.peer.remote(self.method, pusher)
             sent_at = time.monotonic()
+            self.reserve_unanswered = True
             reply = await self.peer.decode.ReserveBlocks(worker_pb2.ReserveBlocksRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt,
                 sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S)
+            self.reserve_unanswered = False
         except KVTransferError as exc:
             raise FailedPrecondition(str(exc), failed_peer="decode") from exc
         except grpc.aio.AioRpcError as exc:  # passed on as the same kind
+            # refused (full, bad input, a duplicate id): nothing was reserved for this call;
+            # cancelled or past its deadline, the decode worker may have reserved (cleanup releases)
+            self.reserve_unanswered = exc.code() in (grpc.StatusCode.CANCELLED,
+                                                     grpc.StatusCode.DEADLINE_EXCEEDED)
             raise service_error_of(exc, f"decode worker {self.target.address}: {exc.details()}",
                                    failed_peer="decode") from exc
         self.reservation = reservation = reply.reservation
@@ -360,10 +370,11 @@ class _PrefillJob:
             self.engine.unsubscribe(self.request_id)
         if self.lease is not None:
             await self.lease.stop()
-        if self.reservation is not None and not self.handed_off:
+        if (self.reservation is not None or self.reserve_unanswered) and not self.handed_off:
+            reservation_id = self.reservation.reservation_id if self.reservation else self.request_id
             try:
                 await self.peer.decode.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(
-                    reservation_id=self.reservation.reservation_id), timeout=RELEASE_TIMEOUT_S)
+                    reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:  # its lease frees them if it is alive
                 log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
                             self.target.address, exc.details())

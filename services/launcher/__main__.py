@@ -1,0 +1,5 @@
+"""``python -m services.launcher`` = ``pdserve up``."""
+
+from services.launcher import main
+
+main()
