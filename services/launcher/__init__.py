@@ -51,13 +51,11 @@ from collections.abc import Sequence
 from services.launcher.child import DEATHSIG_SHIM, HOST, REPO_ROOT, Child, ChildFailed
 from services.launcher.credentials import TOKEN_FILE, internal_auth_env, prepare_auth, write_token_file
 from services.launcher.lifecycle import run
-from services.launcher.plan import build_parser, cpu_split, free_port, plan, plan_kvstore
+from services.launcher.plan import build_parser, cpu_split, free_port, gpu_share, plan, plan_kvstore
 from services.launcher.supervisor import RestartPolicy, Supervisor
 
-_DEATHSIG_SHIM = DEATHSIG_SHIM  # the name services/ray/process.py imports
-
 __all__ = ["DEATHSIG_SHIM", "HOST", "REPO_ROOT", "TOKEN_FILE", "Child", "ChildFailed", "RestartPolicy",
-           "Supervisor", "build_parser", "cpu_split", "free_port", "internal_auth_env", "main", "plan",
+           "Supervisor", "build_parser", "cpu_split", "free_port", "gpu_share", "internal_auth_env", "main", "plan",
            "plan_kvstore", "prepare_auth", "run", "write_token_file"]
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from engine.args import EngineArgs
+from engine.config import is_cuda_device
 from services.common.auth import add_api_key_arguments, api_key_argv, api_key_env
 from services.common.engine_flags import add_engine_arguments, engine_args_from, engine_argv
 from services.common.grpc_server import DEFAULT_GRACE_S
@@ -67,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def gpu_share(engine_args: EngineArgs, num_engines: int) -> EngineArgs:
+    """The engine settings of one of ``num_engines`` worker processes on one CUDA device: an
+    equal part of ``gpu_memory_utilization`` each (each engine sizes its KV cache from its part;
+    all of them at 0.9 would leave the second nothing). Unchanged on a CPU."""
+    if not is_cuda_device(engine_args.device) or num_engines <= 1:
+        return engine_args
+    return replace(engine_args, gpu_memory_utilization=engine_args.gpu_memory_utilization / num_engines)
+
+
 def cpu_split(num_prefill: int, num_decode: int) -> tuple[list[int], list[int]] | None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -87,7 +99,11 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
     extra = args.worker_args.split()
     index_argv = ["--redis-url", args.redis_url] if getattr(args, "redis_url", "") else []
     kvstore_argv = ["--kvstore-address", kvstore_address] if kvstore_address else []
-    engine = [*(["--model", args.model] if args.model else []), *engine_argv(engine_args_from(args))]
+    model = ["--model", args.model] if args.model else []
+    engine_args = engine_args_from(args)
+    engine = [*model, *engine_argv(engine_args)]
+    # every worker's engine shares the one GPU: each gets its part of --gpu-memory-utilization
+    worker_engine = [*model, *engine_argv(gpu_share(engine_args, args.prefill + args.decode))]
     split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
     if not args.colocated:
         for role, count, index in (("prefill", args.prefill, 0), ("decode", args.decode, 1)):
@@ -103,7 +119,8 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *kvstore_argv, *engine, *extra],
+                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *kvstore_argv, *worker_engine,
+                    *extra],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
                    "--grpc-port", str(args.grpc_port), *index_argv, *api_key_argv(args), *engine]

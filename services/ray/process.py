@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from services.common.health import SERVING, check_health
-from services.launcher import _DEATHSIG_SHIM, REPO_ROOT, free_port
+from services.common.ports import free_port
+from services.launcher import DEATHSIG_SHIM, REPO_ROOT
 
 POLL_S = 0.5  # health polls while a child starts (bounded by the startup timeout)
 
@@ -44,7 +45,7 @@ class ServiceProcess:
         pythonpath = child_env.get("PYTHONPATH", "")
         child_env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{pythonpath}" if pythonpath \
             else str(REPO_ROOT)
-        shim = [sys.executable, "-c", _DEATHSIG_SHIM, str(os.getpid())] \
+        shim = [sys.executable, "-c", DEATHSIG_SHIM, str(os.getpid())] \
             if sys.platform == "linux" else [sys.executable]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*shim, "-m", "services.cli", "serve", *self.argv],

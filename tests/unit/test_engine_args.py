@@ -222,3 +222,22 @@ def test_every_command_runs_a_module_that_exists():
     assert COMMANDS[("serve", "kvstore")] == "services.kvstore.__main__"
     assert {words: module for words, module in COMMANDS.items()
             if importlib.util.find_spec(module) is None} == {}
+
+
+def test_up_on_one_gpu_gives_each_worker_its_part_of_the_memory(tmp_path, monkeypatch):
+    from services import launcher
+    from services.worker.settings import worker_parser
+
+    args = launcher.build_parser().parse_args(["--device", "cuda", "--decode", "3", "--transfer", "grpc",
+                                               "--gpu-memory-utilization", "0.8"])
+    workers, router = launcher.plan(args, tmp_path)
+    for worker in workers:  # 1 prefill + 3 decode engines on the one device: 0.2 each
+        role, flags = _served(worker.argv)
+        assert engine_args_from(worker_parser(Role(role), 0).parse_args(flags)).gpu_memory_utilization == 0.2
+    colocated = launcher.build_parser().parse_args(["--device", "cuda", "--colocated"])
+    _, router = launcher.plan(colocated, tmp_path)
+    from services.router.__main__ import parse_args as router_args
+
+    assert engine_args_from(router_args(_served(router.argv)[1])).gpu_memory_utilization == 0.9  # the one engine
+    on_cpu = launcher.build_parser().parse_args(["--decode", "3"])
+    assert launcher.gpu_share(engine_args_from(on_cpu), 4) == engine_args_from(on_cpu)
