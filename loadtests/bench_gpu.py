@@ -26,6 +26,7 @@ One JSON line per measurement on stdout and in ``<out>/results.jsonl``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -297,6 +298,8 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
 
 
 def _free() -> None:
+    """Give the last engine's memory back (its KV cache takes most of the GPU) before the next."""
+    gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
