@@ -59,6 +59,16 @@ def offline_llm(loaded, num_threads: int, device: str):
     return LLM(loaded, num_threads=num_threads, enable_prefix_caching=False, device=device)
 
 
+def release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def offline_ms_per_token(llm, loaded, batches: tuple[int, ...], tokens: int) -> dict[int, float]:
     """Per-token decode time (ms, prefill excluded) of the offline engine at each batch size."""
     from engine import SamplingParams
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             c: offline_rate(llm, loaded, c, args.load_requests_c1 if c == 1 else args.load_requests, args)
             for c in concurrencies}
         del llm
+        release_device_memory()  # the clusters below are other processes on the same device
     up_args = [*(["--model", args.model] if args.model else []), "--device", args.device, *args.up_args.split()]
     served: dict[str, dict] = {}
     for mode in modes:
