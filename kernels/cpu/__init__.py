@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -110,12 +111,26 @@ def _build_directory(source: Path, isa: str) -> Path:
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     digest = hashlib.sha256()
     headers = [p.read_bytes() for p in sorted(CSRC.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, " ".join(cflags + LDFLAGS).encode(),
+    # the checkout's path too: ninja's build file names the sources by absolute path, so two
+    # checkouts sharing one directory would rebuild each other's libraries on every load
+    for part in (str(CSRC.resolve()).encode(), source.read_bytes(), *headers, " ".join(cflags + LDFLAGS).encode(),
                  torch.__version__.encode(), cpu_identity().encode() if isa == "native" else b""):
         digest.update(part + b"\0")
     path = root / "cpu_kernels" / f"{source.stem}-{isa}-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+STALE_LOCK_S = 900  # far longer than any one library takes to build here (1-2 min on 2 cores)
+
+
+def _remove_stale_lock(build_directory: Path) -> None:
+    """torch's build lock is a file that a killed builder leaves behind, and every later load
+    then waits for it forever; one older than any build can be is removed."""
+    lock = build_directory / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
 
 
 def sources() -> list[str]:
@@ -138,12 +153,14 @@ def _library(name: str, isa: str):
         raise CpuKernelsUnavailable(f"this CPU cannot run {isa} code ({cpu_identity()}); "
                                     f"set {ISA_ENV} to one of {'|'.join(runnable_isas())}")
     source = CSRC / f"{name}.cpp"
+    build_directory = _build_directory(source, isa)
+    _remove_stale_lock(build_directory)
     try:
         # fresh lists: load() appends its own flags to the ones it is given
         cpp_extension.load(name=f"{namespace(isa)}_{name}", sources=[str(source)],
                            extra_cflags=list(_cflags(isa)), extra_ldflags=list(LDFLAGS),
                            extra_include_paths=[str(CSRC)], is_python_module=False,
-                           build_directory=str(_build_directory(source, isa)),
+                           build_directory=str(build_directory),
                            verbose=False)
     except Exception as exc:  # compiler missing or failing: say why, callers fall back
         raise CpuKernelsUnavailable(f"building the pdserve CPU kernel {source.name} ({isa}) "
