@@ -26,10 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.channels import internal_channel
 from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.router.policy import WorkerLoad
+from services.router.routing.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 MAX_SLOW_POLLS = 3
+STATS_BLOCK_SIZE_UNSET = 16  # a worker's block size before its first GetStats answered
 
 
 class InFlight:
@@ -80,6 +81,10 @@ class Worker:
     def worker_id(self) -> str:
         return self.stats.worker_id
 
+    @property
+    def block_size(self) -> int:
+        return self.stats.block_size or STATS_BLOCK_SIZE_UNSET
+
     def begin(self, prefill_tokens: int = 0, blocks: int = 0) -> InFlight:
         return InFlight(self, prefill_tokens, blocks)
 
@@ -94,7 +99,7 @@ class Worker:
         return WorkerLoad(
             address=self.address,
             num_free_blocks=max(s.num_free_blocks - blocks, 0),
-            num_total_blocks=s.num_total_blocks, block_size=s.block_size or 16,
+            num_total_blocks=s.num_total_blocks, block_size=self.block_size,
             num_running=max(s.num_running_requests + requests, 0),
             num_waiting=s.num_waiting_requests,
             num_outstanding_prefill_tokens=max(s.num_outstanding_prefill_tokens + tokens, 0),
