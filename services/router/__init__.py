@@ -3,7 +3,8 @@ process, or prefill and decode workers).
 
 Its rooms, each one concern; a room imports only the rooms below it::
 
-    __main__.py, app.py    wiring: flags, the servers, the drain          (imports every room)
+    __main__.py, app.py    wiring: flags (limit_flags.py too), the servers, the drain
+    client.py              ``pdserve generate``: a client of grpc/
     http/   grpc/          the two public APIs: parse, answer, map errors  -> pipeline
     pipeline/              tokenize, validate, admit, detokenize, stop     -> backends
     backends/              the Backend interface: colocated, disaggregated -> routing

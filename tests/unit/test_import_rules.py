@@ -263,3 +263,31 @@ def test_no_import_cycles_between_modules():
     assert all("services.router.backends.disaggregated" in graph[m]
                for m in ("services.router.app",))  # the graph sees function-level imports
     assert sorted(set(_cycles(graph)) - KNOWN_CYCLES) == []
+
+
+# services/router's rooms, top to bottom (services/router/__init__.py): a module imports only
+# modules of its own room or of rooms below it.
+ROUTER_ROOMS = [
+    {"__main__", "app", "limit_flags", "client"},
+    {"http", "grpc"},
+    {"pipeline"},
+    {"backends"},
+    {"routing"},
+    {"errors", "deadline", "metrics", "model_info"},
+]
+
+
+def test_router_rooms_import_only_downwards():
+    def rank(module: str) -> int:
+        first = module.removeprefix("services.router.").split(".")[0]
+        return next(i for i, room in enumerate(ROUTER_ROOMS) if first in room)
+
+    modules = _first_party_files()
+    offenders = []
+    for module, path in modules.items():
+        if not module.startswith("services.router.") or module.endswith("__init__"):
+            continue
+        for imported in _imports(module, path, modules):
+            if imported.startswith("services.router.") and rank(imported) < rank(module):
+                offenders.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert offenders == []

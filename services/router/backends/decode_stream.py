@@ -87,7 +87,7 @@ class DecodeStream:
                 error = alongside.exception()
                 if error is not None:
                     raise error
-            response = await read
+            response: worker_pb2.DecodeResponse = await read
         finally:
             if not read.done():
                 read.cancel()

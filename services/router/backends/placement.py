@@ -11,7 +11,7 @@ else the load policy's pick among the healthy ones not tried yet.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 import grpc
 
@@ -26,18 +26,18 @@ class Placement:
         self.pool = pool
         self.policy = policy
 
-    def planned(self, role: str, plan: RoutePlan | None, excluded: set[str]) -> Worker | None:
+    def planned(self, role: str, plan: RoutePlan | None, excluded: Set[str]) -> Worker | None:
         """The plan's worker of ``role`` while it is healthy and not excluded."""
         if plan is None:
             return None
         address = plan.prefill_address if role == "prefill" else plan.decode_address
         return self.healthy(role, address, excluded)
 
-    def healthy(self, role: str, address: str | None, excluded: set[str] = frozenset()) -> Worker | None:
+    def healthy(self, role: str, address: str | None, excluded: Set[str] = frozenset()) -> Worker | None:
         """The worker of ``role`` at ``address`` while it is healthy and not excluded."""
         return next((w for w in self.pool.healthy(role, excluded) if w.address == address), None)
 
-    def pick(self, role: str, prompt: Sequence[int], excluded: set[str],
+    def pick(self, role: str, prompt: Sequence[int], excluded: Set[str],
              last_error: grpc.aio.AioRpcError | None) -> Worker:
         """The load policy's choice among the healthy workers of ``role`` not in ``excluded``."""
         candidates = {w.address: w for w in self.pool.healthy(role, excluded)}

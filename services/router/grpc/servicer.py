@@ -67,7 +67,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if frontend is None or self.state.is_draining:  # neither is counted as a rejection
             await abort_with(context, NotServing("the router is starting up or shutting down"))
         try:
-            frontend.check_model(request.model)
+            frontend.check_model(request.model or None)  # proto3: "" is not given
         except ModelNotFound as error:
             await abort_with(context, error)
         time_left = context.time_remaining()

@@ -55,12 +55,12 @@ class Frontend:
         self.admission = admission or Admission()
 
     def check_model(self, name: str | None) -> None:
-        """ModelNotFound unless ``name`` is empty (None, "": the served model) or the served
+        """ModelNotFound unless ``name`` is None (not given: the served model) or the served
         model's name."""
-        if name and name != self.model.name:
+        if name is not None and name != self.model.name:
             raise ModelNotFound(name, self.model.name)
 
-    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None,
                  add_generation_prompt: bool = True) -> list[int]:
         """Token ids of exactly one of: text, token ids (checked against the vocabulary), or
         chat messages rendered with the model's template."""
@@ -127,7 +127,7 @@ class Frontend:
         return generation
 
 
-def _check_roles(messages: list[dict]) -> None:
+def _check_roles(messages: list[dict[str, str]]) -> None:
     for i, message in enumerate(messages):
         role = message.get("role")
         if role not in CHAT_ROLES:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.kv_transfer.base import KVCompat
@@ -84,17 +84,20 @@ class LoadPolicy(RoutingPolicy):
         self._picks = itertools.count(1)
         self._last_picked: dict[str, int] = {}  # address -> pick number (ties go to the oldest)
 
-    def pick_prefill(self, workers, prompt_token_ids):
+    def pick_prefill(self, workers: Sequence[WorkerLoad],
+                     prompt_token_ids: Sequence[int]) -> WorkerLoad | None:
         return self._pick(workers, lambda w: (w.num_outstanding_prefill_tokens,
                                               w.num_running + w.num_waiting))
 
-    def pick_decode(self, workers, prompt_token_ids):
+    def pick_decode(self, workers: Sequence[WorkerLoad],
+                    prompt_token_ids: Sequence[int]) -> WorkerLoad | None:
         fitting = [w for w in workers
                    if w.num_free_blocks >= cdiv(len(prompt_token_ids), max(w.block_size, 1))]
         return self._pick(fitting or workers,
                           lambda w: (-w.num_free_blocks, w.num_running + w.num_waiting))
 
-    def _pick(self, workers: Sequence[WorkerLoad], key) -> WorkerLoad | None:
+    def _pick(self, workers: Sequence[WorkerLoad],
+              key: Callable[[WorkerLoad], tuple[int, ...]]) -> WorkerLoad | None:
         if not workers:
             return None
         best = min(workers, key=lambda w: (*key(w), self._last_picked.get(w.address, 0)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -173,7 +173,7 @@ class WorkerPool:
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh(self.timeout_s) for ws in self.workers.values() for w in ws))
 
-    def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
+    def healthy(self, role: str, exclude: Set[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers[role] if w.is_healthy and w.address not in exclude]
 
     async def close(self) -> None:
