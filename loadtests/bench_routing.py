@@ -42,8 +42,8 @@ from engine.sampling_params import SamplingParams
 from loadtests.cluster import free_port
 from services.common.health import SERVING, check_health
 from services.index.redis_server import EmbeddedRedis
-from services.router.disaggregated import DisaggregatedBackend
-from services.router.prefix_aware import PrefixAwarePolicy
+from services.router.backends.disaggregated import DisaggregatedBackend
+from services.router.routing.prefix_aware import PrefixAwarePolicy
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0

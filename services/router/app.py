@@ -21,15 +21,15 @@ from services.common.auth import KeySet
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
 from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
-from services.router.admission import Admission, AdmissionConfig
-from services.router.backend import Backend
-from services.router.colocated import ColocatedBackend
-from services.router.frontend import Frontend, RouterState
-from services.router.grpc_frontend import GenerateServicer, add_generate_servicer
-from services.router.http_auth import HttpAuth
-from services.router.limits import RequestLimits
+from services.router.backends.backend import Backend
+from services.router.backends.colocated import ColocatedBackend
+from services.router.grpc.servicer import GenerateServicer, add_generate_servicer
+from services.router.http.auth import HttpAuth
+from services.router.http.server import HttpServer, start_http_server
 from services.router.metrics import SLO_TPOT_S, SLO_TTFT_S
-from services.router.openai_http import HttpServer, start_http_server
+from services.router.pipeline.admission import Admission, AdmissionConfig
+from services.router.pipeline.frontend import Frontend, RouterState
+from services.router.pipeline.limits import RequestLimits
 from services.worker.stats import WorkerStatsServicer
 
 log = logging.getLogger("pdserve.router")
@@ -45,7 +45,7 @@ class RouterConfig:
     max_model_len: int | None = None
     drain_grace_s: float = 10.0
     debug_route: bool = False  # answer each request's route and TTFT breakdown in headers / trailers
-    api_keys: KeySet = KeySet()  # empty: HTTP and gRPC open (services/router/http_auth.py)
+    api_keys: KeySet = KeySet()  # empty: HTTP and gRPC open (services/router/http/auth.py)
     metrics_auth: bool = False  # GET /metrics needs a key too
     slo_ttft_s: float = SLO_TTFT_S  # goodput's targets (RouterMetrics.set_slo)
     slo_tpot_s: float = SLO_TPOT_S
@@ -163,16 +163,16 @@ def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
     """The in-process engine built from ``engine_args`` (colocated), or the workers; with a
     ``redis_url`` the workers are picked by the prefix index (KV-aware, conditional
     disaggregation), else by load. A sample whose worker dies moves to another up to
-    ``max_migrations`` times (services/router/migration.py); one that finds every decode
+    ``max_migrations`` times (services/router/backends/migration.py); one that finds every decode
     worker out of KV blocks waits up to ``kv_full_wait_s`` for some to free up."""
     if colocated:
         return ColocatedBackend(model, engine_args)
-    from services.router.disaggregated import DisaggregatedBackend  # written alongside, lazily
+    from services.router.backends.disaggregated import DisaggregatedBackend  # lazily: workers only
 
     policy = None
     if redis_url:
-        from services.router.prefix_aware import PrefixAwarePolicy
-        from services.router.route_plan import RouteConfig
+        from services.router.routing.prefix_aware import PrefixAwarePolicy
+        from services.router.routing.route_plan import RouteConfig
 
         policy = PrefixAwarePolicy(redis_url, RouteConfig(local_prefill_max_tokens=local_prefill_max_tokens))
     return DisaggregatedBackend(prefill, decode, transfer=transfer, policy=policy,

@@ -20,8 +20,7 @@ import grpc
 from services.common.channels import public_channel
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.settings import add_env_argument
-from services.router.frontend import ROUTE_HEADER
-from services.router.ttft_breakdown import TTFT_HEADER, describe, parse_breakdown
+from services.router.pipeline.debug_route import ROUTE_HEADER, TTFT_HEADER, describe, parse_breakdown
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """The router's limit flags, derived from the config dataclasses that declare them.
 
-Each field of RequestLimits (services/router/limits.py) and AdmissionConfig
-(services/router/admission.py) is one flag: ``max_body_bytes`` -> ``--max-body-bytes`` and
+Each field of RequestLimits (services/router/pipeline/limits.py) and AdmissionConfig
+(services/router/pipeline/admission.py) is one flag: ``max_body_bytes`` -> ``--max-body-bytes`` and
 ``PDSERVE_MAX_BODY_BYTES``, with the field's default and its ``metadata["help"]``. Adding a
 limit means adding a field; nothing here changes.
 
@@ -17,8 +17,8 @@ import dataclasses
 from typing import Any
 
 from services.common.settings import add_env_argument
-from services.router.admission import AdmissionConfig
-from services.router.limits import RequestLimits
+from services.router.pipeline.admission import AdmissionConfig
+from services.router.pipeline.limits import RequestLimits
 
 _CONFIGS: tuple[type[Any], ...] = (RequestLimits, AdmissionConfig)
 

@@ -13,7 +13,7 @@ counts in ``pdserve_requests_slo_met_total{model}``; the rules file divides it b
 that were not cancelled (``dynamo_frontend_requests_total``). The targets are exported as
 ``pdserve_slo_target_seconds{target="ttft"|"tpot"}``.
 
-For the routing code (services/router/disaggregated.py, the policies): ``metrics.stages``
+For the routing code (services/router/backends/disaggregated.py, the policies): ``metrics.stages``
 (``StageRecorder``) and ``metrics.routing`` (``RoutingRecorder``) take what only that code sees,
 e.g.::
 

@@ -73,6 +73,9 @@ HTTP_ROWS = [
     HttpRow("empty prompt", {"prompt": ""}, 400, "prompt"),
     HttpRow("empty token prompt", {"prompt": []}, 400, "prompt"),
     HttpRow("empty messages", {"messages": []}, 400, "messages", "/v1/chat/completions"),
+    HttpRow("unknown chat role", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages",
+            "/v1/chat/completions"),
+    HttpRow("unknown model", {"prompt": "hi", "model": "gpt-9"}, 404, "model", code="model_not_found"),
     HttpRow("batch of prompts", {"prompt": ["a", "b"]}, 400, "prompt"),
     HttpRow("absurd n", {"prompt": "hi", "n": 10**9}, 400, "n"),
     HttpRow("absurd best_of", {"prompt": "hi", "best_of": 10**9}, 400, "best_of"),
@@ -142,6 +145,8 @@ GRPC_ROWS: list[tuple[str, dict, str]] = [
     ("no input", {}, "input"),
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("empty messages", {"chat": generate_pb2.ChatMessages()}, "messages"),
+    ("unknown chat role", {"chat": generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(
+        role="wizard", content="hi")])}, "messages"),
     ("absurd n", {"sampling_params": generate_pb2.SamplingParams(n=10**9)}, "n"),
     ("NaN temperature", {"sampling_params": generate_pb2.SamplingParams(temperature=float("nan"))},
      "temperature"),

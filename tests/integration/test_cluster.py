@@ -25,7 +25,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import finish_from_proto, params_to_proto
-from services.router.disaggregated import DisaggregatedBackend
+from services.router.backends.disaggregated import DisaggregatedBackend
 from tests.integration.cluster_fixtures import (
     oracle_llm,
     prefill_into_receiver,
@@ -385,7 +385,7 @@ def test_full_decode_workers_mean_overloaded_and_nothing_leaks(cluster, prompt_i
     """Both decode workers answer RESOURCE_EXHAUSTED for lack of KV blocks: with no wait the
     backend tries each, then raises Overloaded at once; with a short wait it retries until the
     wait is spent, then raises the same. The prefill worker computed nothing and holds nothing."""
-    from services.router.backend import Overloaded
+    from services.router.errors import Overloaded
 
     fillers = _fill_decode_workers(cluster)
 
@@ -498,7 +498,7 @@ def test_bad_input_is_a_value_error(cluster):
 
 def test_killing_a_decode_worker_mid_stream_migrates_its_request(cluster, llm, prompt_ids):
     """Runs last: it leaves the cluster with one decode worker. The killed worker's stream goes
-    on, unbroken, on the other decode worker (services/router/migration.py): the client gets
+    on, unbroken, on the other decode worker (services/router/backends/migration.py): the client gets
     exactly the offline greedy tokens, and later requests succeed."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = offline(llm, prompt_ids[:2], GREEDY)

@@ -17,7 +17,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
-from services.router.disaggregated import DisaggregatedBackend
+from services.router.backends.disaggregated import DisaggregatedBackend
 from tests.integration.cluster_fixtures import (
     WorkerProcess,
     start_kvstore,

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from services.router.metrics import STAGES
-from services.router.ttft_breakdown import TTFT_HEADER, parse_breakdown
+from services.router.pipeline.debug_route import TTFT_HEADER, parse_breakdown
 from tests.integration import prometheus_server
 from tests.integration.cluster_fixtures import (
     free_port,

@@ -22,7 +22,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import params_to_proto
-from services.router.disaggregated import DisaggregatedBackend
+from services.router.backends.disaggregated import DisaggregatedBackend
 from tests.integration.cluster_fixtures import (
     WorkerProcess,
     oracle_llm,

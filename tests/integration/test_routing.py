@@ -21,7 +21,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import params_to_proto
-from services.router.frontend import ROUTE_HEADER
+from services.router.pipeline.debug_route import ROUTE_HEADER
 from tests.integration.cluster_fixtures import oracle_llm, start_router, start_worker, stop_all, wait_serving
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ from services.common.wire import (
     params_to_proto,
 )
 from services.decode.reservations import LeaseState, ReservationTable
-from services.router.policy import LoadPolicy, WorkerLoad
+from services.router.routing.policy import LoadPolicy
+from services.router.routing.worker_load import WorkerLoad
 
 
 def test_prefill_pick_fewest_outstanding_tokens_then_fewest_requests_then_oldest_pick():

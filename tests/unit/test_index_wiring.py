@@ -85,6 +85,6 @@ def test_the_index_and_the_scoring_are_torch_free():
     import sys
 
     code = ("import sys, services.index.client, services.index.publisher, services.index.redis_server, "
-            "services.router.prefix_policy; assert 'torch' not in sys.modules, 'torch imported'")
+            "services.router.routing.prefix_scoring; assert 'torch' not in sys.modules, 'torch imported'")
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo)

@@ -95,9 +95,9 @@ def test_first_event_stages_are_observed_once_and_kept_for_debug_mode():
     import asyncio
 
     from engine.sampling_params import SamplingParams
-    from services.router.backend import TokenEvent
-    from services.router.frontend import Frontend
+    from services.router.backends.backend import TokenEvent
     from services.router.model_info import ModelInfo
+    from services.router.pipeline.frontend import Frontend
     from tests.unit.test_router_frontend import ALPHABET, CharTokenizer, ScriptedBackend
 
     worker = {"decode_admit": 0.002, "prefill_queue": 0.001, "prefill_compute": 0.02, "kv_transfer": 0.0,
@@ -124,7 +124,7 @@ def test_first_event_stages_are_observed_once_and_kept_for_debug_mode():
 
 def test_route_decisions_and_worker_stages_reach_the_router_metrics():
     from services.common.wire import ttft_stages_from_proto, ttft_stages_to_proto
-    from services.router.route_decisions import RouteDecisions
+    from services.router.routing.route_decisions import RouteDecisions
 
     m = RouterMetrics.create("m")
     decisions = RouteDecisions()

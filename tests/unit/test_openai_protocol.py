@@ -8,19 +8,20 @@ import math
 import pytest
 
 from engine.sampling.logprobs import PositionLogprobs
-from services.router.frontend import InvalidRequest, Usage
-from services.router.openai_protocol import (
+from services.router.errors import InvalidRequest
+from services.router.http.protocol import (
     error_body,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
-from services.router.openai_responses import (
+from services.router.http.responses import (
     NEG_INF_LOGPROB,
     chat_logprobs_json,
     completion_logprobs_json,
     usage_json,
 )
+from services.router.pipeline.generation import Usage
 
 
 def test_completion_request_maps_every_sampling_field():

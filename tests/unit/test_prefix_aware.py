@@ -17,9 +17,9 @@ from services.index.breaker import BreakerConfig
 from services.index.client import IndexClient, IndexClientConfig
 from services.index.schema import IndexMeta, IndexMetaMismatch, WorkerInfo
 from services.index.scripts import IndexScripts
-from services.router.policy import WorkerLoad
-from services.router.prefix_aware import PrefixAwarePolicy
-from services.router.route_plan import RouteConfig
+from services.router.routing.prefix_aware import PrefixAwarePolicy
+from services.router.routing.route_plan import RouteConfig
+from services.router.routing.worker_load import WorkerLoad
 
 BS = 4
 COMPAT = KVCompat("tiny", "float32", BS, 2, 1, 8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_cache.hashing import hash_request_blocks
-from services.router.prefix_policy import (
+from services.router.routing.prefix_scoring import (
     Candidate,
     Decision,
     PrefixScoringConfig,

@@ -1,4 +1,4 @@
-"""Golden cases of the router's plan (services/router/route_plan.py) on recorded index states:
+"""Golden cases of the router's plan (services/router/routing/route_plan.py) on recorded index states:
 which decode worker, local or remote prefill, which prefill worker, and the reason."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.index.scripts import WorkerMatch
-from services.router.policy import WorkerLoad
-from services.router.route_decisions import RouteDecisions
-from services.router.route_plan import RouteConfig, plan_route
+from services.router.routing.route_decisions import RouteDecisions
+from services.router.routing.route_plan import RouteConfig, plan_route
+from services.router.routing.worker_load import WorkerLoad
 
 BS = 16
 
@@ -99,7 +99,7 @@ def test_a_decode_worker_busy_with_prefills_sends_even_a_short_suffix_remote():
 def test_a_predicted_prefix_steers_the_decode_pick_but_never_the_local_path():
     # this router just sent the prompt's 62 blocks to d1 (RecentDecisions), the index has no
     # record yet: the KV may still be computing or in transfer, so d1 must not recompute it
-    from services.router.prefix_policy import Candidate
+    from services.router.routing.prefix_scoring import Candidate
 
     predicted = [Candidate("d0"), Candidate("d1", num_device_blocks=62)]
     plan = plan_route(1024, BS, PREFILL, DECODE, {}, decode_candidates=predicted)
@@ -127,7 +127,7 @@ def test_the_imbalance_guard_spreads_a_hot_prefix():
 
 
 def test_other_routers_reservations_count_as_queued_requests():
-    from services.router.route_plan import prefill_candidate
+    from services.router.routing.route_plan import prefill_candidate
 
     candidates = [prefill_candidate(PREFILL[0], None, extra_requests=50),
                   prefill_candidate(PREFILL[1], None)]

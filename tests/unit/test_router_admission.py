@@ -16,14 +16,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from engine.sampling_params import SamplingParams
-from services.router.admission import Admission, AdmissionConfig, QueueFull
-from services.router.backend import Backend, TokenEvent
+from services.router.backends.backend import Backend, TokenEvent
 from services.router.deadline import remaining_s
 from services.router.errors import RequestTimeout
-from services.router.frontend import Frontend, RouterState
-from services.router.limits import RequestLimits
+from services.router.http.server import build_app
 from services.router.model_info import ModelInfo
-from services.router.openai_http import build_app
+from services.router.pipeline.admission import Admission, AdmissionConfig, QueueFull
+from services.router.pipeline.frontend import Frontend, RouterState
+from services.router.pipeline.limits import RequestLimits
 from tests.unit.test_router_frontend import ALPHABET, CharTokenizer, ids
 
 
@@ -183,7 +183,7 @@ def test_grpc_full_queue_is_resource_exhausted_with_retry_after_and_deadlines_ar
 
     from services.common.grpc_server import start_grpc_server
     from services.common.pb import generate_pb2, generate_pb2_grpc
-    from services.router.grpc_frontend import GenerateServicer, add_generate_servicer
+    from services.router.grpc.servicer import GenerateServicer, add_generate_servicer
 
     backend = GatedBackend()
     state = make_state(backend, admission=AdmissionConfig(max_queued_requests=1))

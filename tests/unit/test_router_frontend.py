@@ -1,4 +1,4 @@
-"""The router's request pipeline (services/router/frontend.py) and its HTTP error paths over a
+"""The router's request pipeline (services/router/pipeline/frontend.py) and its HTTP error paths over a
 scripted backend.
 
 One token per character (id = index in ALPHABET) keeps stop-string positions obvious. The
@@ -16,10 +16,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from engine.sampling_params import SamplingParams
-from services.router.backend import Backend, BackendError, Overloaded, TokenEvent, Unavailable
-from services.router.frontend import Frontend, InvalidRequest, RouterState
+from services.router.backends.backend import Backend, TokenEvent
+from services.router.errors import BackendError, InvalidRequest, Overloaded, Unavailable
+from services.router.http.server import build_app
 from services.router.model_info import ModelInfo
-from services.router.openai_http import build_app
+from services.router.pipeline.frontend import Frontend, RouterState
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .!"
 EOS = len(ALPHABET)  # decodes to nothing
@@ -212,3 +213,64 @@ def test_http_health_follows_readiness():
     [(status, text)] = http_scenario(ScriptedBackend([]), [("POST", "/v1/completions", {"prompt": "a"})],
                                      ready=False)
     assert status == 503 and "not serving" in json.loads(text)["error"]["message"]
+
+
+def test_http_unknown_model_is_404_model_not_found_and_unknown_role_is_400():
+    """OpenAI (and vLLM) answer an unknown model 404 ``model_not_found``: the official client
+    raises ``openai.NotFoundError`` for a 404. A chat role outside OpenAI's set is bad input
+    naming the message (it used to be rendered into the prompt and answered 200)."""
+    backend = ScriptedBackend([TokenEvent(0, ids("ok"), finish_reason="length")])
+    replies = http_scenario(backend, [
+        ("POST", "/v1/completions", {"prompt": "ab", "model": "gpt-9"}),
+        ("POST", "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "a"}]}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
+                                                       {"role": "wizard", "content": "b"}]}),
+        ("POST", "/v1/completions", {"prompt": "ab", "model": "m", "max_tokens": 2}),
+    ])
+    for status, text in replies[:2]:
+        error = json.loads(text)["error"]
+        assert status == 404, text
+        assert (error["code"], error["param"], error["type"]) == (
+            "model_not_found", "model", "invalid_request_error")
+        assert error["message"] == "model 'gpt-9' does not exist; this server serves 'm'"
+    status, text = replies[2]
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "messages", text
+    assert error["message"].startswith("messages[1].role must be one of system, developer, user, "
+                                       "assistant, tool, function; got 'wizard'")
+    assert replies[3][0] == 200  # the served model by name is fine
+    assert backend.num_sent == 1  # nothing refused reached the backend
+
+
+def test_grpc_unknown_model_is_not_found_and_unknown_role_is_invalid_argument():
+    import grpc
+
+    from services.common.grpc_server import start_grpc_server
+    from services.common.pb import generate_pb2, generate_pb2_grpc
+    from services.router.grpc.servicer import GenerateServicer, add_generate_servicer
+
+    backend = ScriptedBackend([])
+    state = RouterState(backend)
+    state.frontend = Frontend(CharTokenizer(), backend, ModelInfo("m", len(ALPHABET) + 1, 64))
+    wizard = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="wizard", content="a")])
+
+    async def scenario():
+        server = await start_grpc_server([(add_generate_servicer, GenerateServicer(state))])
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                errors = []
+                for request in (generate_pb2.GenerateRequest(prompt="ab", model="gpt-9"),
+                                generate_pb2.GenerateRequest(chat=wizard)):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await stub.Generate(request, timeout=5).read()
+                    errors.append(info.value)
+                return errors
+        finally:
+            await server.server.stop(None)
+
+    not_found, bad_role = asyncio.run(scenario())
+    assert not_found.code() == grpc.StatusCode.NOT_FOUND and "'gpt-9' does not exist" in not_found.details()
+    assert bad_role.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].role" in bad_role.details()
+    assert dict(bad_role.trailing_metadata())["pdserve-invalid-param"] == "messages"
+    assert backend.num_sent == 0

@@ -1,6 +1,6 @@
 """The router's request limits and the input checks in front of them (fast, no workers).
 
-RequestLimits / check_limits (services/router/limits.py), their flags (limit_flags.py), and
+RequestLimits / check_limits (services/router/pipeline/limits.py), their flags (limit_flags.py), and
 the parsing checks the bad-input matrix relies on (openai_protocol.py): lone surrogates,
 invalid UTF-8, deep nesting, refused chat-template fields, the ``timeout`` field.
 """
@@ -14,9 +14,9 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.router.errors import InvalidRequest
+from services.router.http.protocol import parse_chat_request, parse_completion_request, parse_json_body
 from services.router.limit_flags import add_limit_arguments, limits_from
-from services.router.limits import RequestLimits, check_limits, context_length_error
-from services.router.openai_protocol import parse_chat_request, parse_completion_request, parse_json_body
+from services.router.pipeline.limits import RequestLimits, check_limits, context_length_error
 
 SMALL = RequestLimits(max_n=4, max_stop_strings=2, max_stop_chars=5, max_logprobs=3,
                       max_logit_bias=2, max_bad_words=1, max_token_id_list=3, max_cache_salt_chars=8)

@@ -8,12 +8,18 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.router.backend import TokenEvent
+from services.router.backends.backend import TokenEvent
 from services.router.client import timings_text
-from services.router.frontend import ROUTE_HEADER, Frontend, RouterState
+from services.router.http.server import build_app
 from services.router.model_info import ModelInfo
-from services.router.openai_http import build_app
-from services.router.ttft_breakdown import TTFT_HEADER, describe, format_breakdown, parse_breakdown
+from services.router.pipeline.debug_route import (
+    ROUTE_HEADER,
+    TTFT_HEADER,
+    describe,
+    format_breakdown,
+    parse_breakdown,
+)
+from services.router.pipeline.frontend import Frontend, RouterState
 from tests.unit.test_router_frontend import ALPHABET, CharTokenizer, ScriptedBackend
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,10 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.channels import internal_channel
 from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.router.policy import WorkerLoad
+from services.router.routing.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 MAX_SLOW_POLLS = 3
+STATS_BLOCK_SIZE_UNSET = 16  # a worker's block size before its first GetStats answered
 
 
 class InFlight:
@@ -80,6 +81,10 @@ class Worker:
     def worker_id(self) -> str:
         return self.stats.worker_id
 
+    @property
+    def block_size(self) -> int:
+        return self.stats.block_size or STATS_BLOCK_SIZE_UNSET
+
     def begin(self, prefill_tokens: int = 0, blocks: int = 0) -> InFlight:
         return InFlight(self, prefill_tokens, blocks)
 
@@ -94,7 +99,7 @@ class Worker:
         return WorkerLoad(
             address=self.address,
             num_free_blocks=max(s.num_free_blocks - blocks, 0),
-            num_total_blocks=s.num_total_blocks, block_size=s.block_size or 16,
+            num_total_blocks=s.num_total_blocks, block_size=self.block_size,
             num_running=max(s.num_running_requests + requests, 0),
             num_waiting=s.num_waiting_requests,
             num_outstanding_prefill_tokens=max(s.num_outstanding_prefill_tokens + tokens, 0),
@@ -168,7 +173,7 @@ class WorkerPool:
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh(self.timeout_s) for ws in self.workers.values() for w in ws))
 
-    def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
+    def healthy(self, role: str, exclude: Set[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers[role] if w.is_healthy and w.address not in exclude]
 
     async def close(self) -> None:

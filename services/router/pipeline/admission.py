@@ -27,7 +27,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from services.router.backend import Overloaded
+from services.router.errors import Overloaded
 
 MAX_RETRY_AFTER_S = 60
 _EWMA_WEIGHT = 0.2  # of the newest interval between two requests leaving the queue

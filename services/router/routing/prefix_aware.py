@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import redis
 
@@ -38,19 +37,17 @@ from services.index.client import IndexClient
 from services.index.config import IndexClientConfig
 from services.index.schema import IndexMeta
 from services.index.scripts import WorkerMatch
-from services.router.policy import LoadPolicy, WorkerLoad
-from services.router.prefix_policy import RecentDecisions
-from services.router.route_decisions import RouteDecisions
-from services.router.route_plan import (
+from services.router.routing.policy import LoadPolicy
+from services.router.routing.prefix_scoring import RecentDecisions
+from services.router.routing.route_decisions import RouteDecisions
+from services.router.routing.route_plan import (
     RouteConfig,
     RoutePlan,
     decode_candidate,
     plan_route,
     prefill_candidate,
 )
-
-if TYPE_CHECKING:
-    from services.router.metrics import RoutingRecorder
+from services.router.routing.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 # A probe costs one lookup budget (a few ms): after an outage the router retries the index at
@@ -63,17 +60,17 @@ class PrefixAwarePolicy(LoadPolicy):
     """See the module docstring. ``pick_prefill`` / ``pick_decode`` (retries after a worker
     failed) are the load policy's."""
 
+    plan_stage = "index_lookup"
+
     def __init__(self, redis_url: str, config: RouteConfig | None = None,
                  client_config: IndexClientConfig | None = None,
                  decisions: RouteDecisions | None = None) -> None:
-        super().__init__()
+        super().__init__(decisions)
         self.redis_url = redis_url
         self.config = config = config or RouteConfig()
         self.client_config = client_config or ROUTER_CLIENT_CONFIG
-        self.decisions = decisions or RouteDecisions()
         self.index: IndexClient | None = None
         self.meta: IndexMeta | None = None
-        self.routing: RoutingRecorder | None = None
         scoring = config.scoring
         self.recent = {role: RecentDecisions(scoring.memory_ttl_s, scoring.max_memory_entries)
                        for role in ("prefill", "decode")}

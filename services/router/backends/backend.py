@@ -1,10 +1,11 @@
-"""What the router's frontends (HTTP, gRPC) talk to: a request in, token events out.
+"""What the router's request pipeline talks to: a request in, token events out.
 
 Two implementations share this interface: ``ColocatedBackend`` (an EngineCore in this
 process, COLOCATED role) and ``DisaggregatedBackend`` (a prefill worker then a decode worker
-over gRPC). Backends speak token ids only; the frontend owns tokenization, detokenization and
+over gRPC). Backends speak token ids only; the pipeline owns tokenization, detokenization and
 stop strings, and closes the event iterator when a stop string matched or the client left,
-which must abort the request everywhere it holds resources.
+which must abort the request everywhere it holds resources. What a backend raises is in
+services/router/errors.py.
 """
 
 from __future__ import annotations
@@ -18,25 +19,6 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from services.router.metrics import RouterMetrics
-
-
-class BackendError(RuntimeError):
-    """A request failed after it was accepted (worker died, transfer failed)."""
-
-
-class Overloaded(RuntimeError):
-    """Full: every worker (or the router's own queue) is at its limit now. Maps to HTTP 429 /
-    RESOURCE_EXHAUSTED with ``Retry-After: retry_after_s`` (an estimate, whole seconds >= 1).
-    Expected pressure, not a failure: the client should come back later."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class Unavailable(Overloaded):
-    """Not ready: the router is starting or draining, or no worker of a role is healthy. Maps
-    to HTTP 503 / UNAVAILABLE (a subclass of Overloaded, so callers that only retry still do)."""
 
 
 @dataclass(slots=True)
@@ -62,7 +44,7 @@ class Backend(abc.ABC):
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """Stream the request's token events until every sample finished. Raises ValueError
-        for bad input (before any event), Overloaded, or BackendError."""
+        for bad input (before any event), Overloaded, or BackendError (services/router/errors.py)."""
 
     async def start(self) -> None:
         """Connect / start engines. Called once before serving."""

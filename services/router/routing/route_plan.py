@@ -2,7 +2,7 @@
 
 ``plan_route`` picks a decode worker, then decides the path (conditional disaggregation):
 
-* decode worker: the cheapest by ``prefix_policy.worker_cost`` where the "prefill work" is the
+* decode worker: the cheapest by ``prefix_scoring.worker_cost`` where the "prefill work" is the
   prompt tokens it lacks (they must be sent or computed, weighted ``transfer_alpha``) and the
   load is its KV in use in tokens plus its queued requests; workers without room for the
   prompt's blocks are skipped unless none has room.
@@ -20,7 +20,7 @@
   "Cached" here is what the index confirms the decode worker holds, never this router's
   prediction (``RecentDecisions``): a predicted prefix may still be computing or in transfer
   to it, and a local prefill would then compute it again on the decode worker's step loop.
-* ``remote`` otherwise: the prefill worker by ``prefix_policy.choose_worker`` (reason
+* ``remote`` otherwise: the prefill worker by ``prefix_scoring.choose_worker`` (reason
   ``prefix`` / ``load`` / ``imbalance``), or by load alone when the index gave no answer
   (reason ``index_unavailable``). The decode worker's cached blocks are not sent (delta).
   Prefill workers without free blocks for what they would allocate (the prompt's blocks less
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 from engine.mathutils import cdiv
 from services.index.scripts import WorkerMatch
-from services.router.policy import WorkerLoad
-from services.router.prefix_policy import Candidate, PrefixScoringConfig, choose_worker
+from services.router.routing.prefix_scoring import Candidate, PrefixScoringConfig, choose_worker
+from services.router.routing.worker_load import WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class RouteConfig:
     local_max_queued_prefill_tokens: int = 1024
     transfer_alpha: float = 0.25  # a transferred token costs this share of a computed one
     # The guard trips at 8 long (1,000-token) prompts of imbalance, not at one: with
-    # prefix_policy's default (1,024 tokens) a single queued system prompt would disable the
+    # prefix_scoring's default (1,024 tokens) a single queued system prompt would disable the
     # credits and scatter a tenant's requests (measured in loadtests/bench_routing.py).
     scoring: PrefixScoringConfig = field(
         default_factory=lambda: PrefixScoringConfig(imbalance_abs_tokens=8192))

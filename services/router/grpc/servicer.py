@@ -1,11 +1,12 @@
 """The router's gRPC frontend: GenerateService.Generate over the shared Frontend pipeline.
 
-Status codes: INVALID_ARGUMENT for bad input (the message names the field, and so does the
-trailing metadata ``pdserve-invalid-param``), NOT_FOUND for an unknown model (as
-generate.proto documents), RESOURCE_EXHAUSTED when the router's queue or every worker is full
-(trailing metadata ``retry-after``: seconds), UNAVAILABLE while starting or draining or with
-no healthy worker, DEADLINE_EXCEEDED when the call's deadline passes, INTERNAL when the
-backend fails mid-request. The call's deadline is the request's: worker calls carry the time
+Status codes (grpc/status.py maps each of the router's errors once): INVALID_ARGUMENT for bad
+input (the message names the field, and so does the trailing metadata
+``pdserve-invalid-param``), NOT_FOUND for an unknown model (as generate.proto documents),
+RESOURCE_EXHAUSTED when the router's queue or every worker is full (trailing metadata
+``retry-after``: seconds), UNAVAILABLE while starting or draining or with no healthy worker,
+DEADLINE_EXCEEDED when the call's deadline passes, INTERNAL when the backend fails
+mid-request. The call's deadline is the request's: worker calls carry the time
 left. A client's cancel or an expired deadline cancels the handler, which closes the
 Generation and so aborts the request in the backend. Requests arrive as bytes
 (``add_generate_servicer``) so that one protobuf cannot parse (a string that is not UTF-8) is
@@ -17,7 +18,6 @@ its engine, and its engine settings).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 
@@ -26,13 +26,13 @@ from google.protobuf.message import DecodeError
 
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
-from services.router.backend import BackendError, Overloaded, Unavailable
-from services.router.errors import InvalidRequest, RequestTimeout
-from services.router.frontend import Frontend, RouterState, SampleDelta, debug_headers
+from services.router.errors import BackendError, InvalidRequest, ModelNotFound, NotServing, Overloaded
+from services.router.grpc.status import MAPPED, abort_with
+from services.router.pipeline.debug_route import debug_headers
+from services.router.pipeline.frontend import Frontend, RouterState
+from services.router.pipeline.generation import Generation, SampleDelta
 
 log = logging.getLogger(__name__)
-INVALID_PARAM_KEY = "pdserve-invalid-param"  # trailing metadata: the field an INVALID_ARGUMENT names
-RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: whole seconds
 
 
 def add_generate_servicer(servicer: GenerateServicer, server: grpc.aio.Server) -> None:
@@ -55,9 +55,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             request = generate_pb2.GenerateRequest.FromString(raw)
         except DecodeError as error:
             self.state.metrics.reject("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid GenerateRequest ({error}); strings "
-                                "must be UTF-8")
+            await abort_with(context, InvalidRequest(f"the request is not a valid GenerateRequest "
+                                                     f"({error}); strings must be UTF-8"))
         async for response in self.Generate(request, context):
             yield response
 
@@ -65,37 +64,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         arrived_at = time.monotonic()
         frontend = self.state.frontend
-        if frontend is None or self.state.is_draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting up or shutting down")
-        if request.model and request.model != frontend.model.name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} does not exist; "
-                                f"this server serves {frontend.model.name!r}")
+        if frontend is None or self.state.is_draining:  # neither is counted as a rejection
+            await abort_with(context, NotServing("the router is starting up or shutting down"))
+        try:
+            frontend.check_model(request.model or None)  # proto3: "" is not given
+        except ModelNotFound as error:
+            await abort_with(context, error)
         time_left = context.time_remaining()
         deadline = None if time_left is None else arrived_at + time_left
-        generation = None
-        try:
-            prompt_ids = _tokenize(frontend, request)
-            params = frontend.check(prompt_ids, params_from_proto(request.sampling_params),
-                                    "messages" if request.WhichOneof("input") == "chat" else "prompt")
-            generation = frontend.generate(prompt_ids, params, arrived_at=arrived_at, deadline=deadline)
-            await generation.start()
-        except ValueError as error:  # InvalidRequest, or the backend's verdict
-            self.state.metrics.reject("invalid", was_counted=not isinstance(error, InvalidRequest))
-            if isinstance(error, InvalidRequest) and error.param:
-                context.set_trailing_metadata(((INVALID_PARAM_KEY, error.param),))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except Unavailable as error:
-            self.state.metrics.reject("overload", was_counted=generation is not None)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except Overloaded as error:
-            self.state.metrics.reject("overload", was_counted=generation is not None)
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(math.ceil(error.retry_after_s), 1))),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except RequestTimeout as error:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
-        except BackendError as error:
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
-
+        generation = await self._start(frontend, request, context, arrived_at, deadline)
         request_id = request.request_id or generation.request_id
         if self.state.debug_route:
             context.set_trailing_metadata(debug_headers(generation))
@@ -108,13 +85,31 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                         cached_prompt_tokens=usage.cached_tokens))
                 yield response
-        except RequestTimeout as error:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
-        except BackendError as error:
+        except BackendError as error:  # RequestTimeout too
             log.warning("request %s failed in the backend: %s", request_id, error)
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+            await abort_with(context, error)
         finally:  # also on cancel / deadline: abort the request in the backend
             await generation.aclose()
+
+    async def _start(self, frontend: Frontend, request: generate_pb2.GenerateRequest,
+                     context: grpc.aio.ServicerContext, arrived_at: float,
+                     deadline: float | None) -> Generation:
+        """The request, validated and started (its first event back); a refusal aborts the
+        call with its status, counted as rejected."""
+        generation = None
+        try:
+            prompt_ids = _tokenize(frontend, request)
+            params = frontend.check(prompt_ids, params_from_proto(request.sampling_params),
+                                    "messages" if request.WhichOneof("input") == "chat" else "prompt")
+            generation = frontend.generate(prompt_ids, params, arrived_at=arrived_at, deadline=deadline)
+            await generation.start()
+            return generation
+        except MAPPED as error:
+            if isinstance(error, ValueError):  # InvalidRequest, or the backend's verdict
+                self.state.metrics.reject("invalid", was_counted=not isinstance(error, InvalidRequest))
+            elif isinstance(error, Overloaded):
+                self.state.metrics.reject("overload", was_counted=generation is not None)
+            await abort_with(context, error)
 
 
 def _tokenize(frontend: Frontend, request: generate_pb2.GenerateRequest) -> list[int]:

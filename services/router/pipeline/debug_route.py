@@ -1,5 +1,6 @@
-"""One request's TTFT breakdown in debug mode: the router's ``--debug-route`` answers it next to
-the route, as the HTTP response header / gRPC trailing metadata ``pdserve-ttft-breakdown``.
+"""Debug mode (``--debug-route``): the router tells each client how its request was routed
+(``pdserve-route: path/reason``) and where its TTFT went (``pdserve-ttft-breakdown``), as HTTP
+response headers / gRPC trailing metadata (``debug_headers``).
 
 The value lists seconds per stage the request passed, in ``STAGES`` order (the dashboards'), then
 ``ttft`` (the router sent the request until its first token came back: every stage but
@@ -14,8 +15,14 @@ The value lists seconds per stage the request passed, in ``STAGES`` order (the d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.router.metrics import STAGES
 
+if TYPE_CHECKING:
+    from services.router.pipeline.generation import Generation
+
+ROUTE_HEADER = "pdserve-route"  # path/reason (services/router/routing/route_decisions.py keys)
 TTFT_HEADER = "pdserve-ttft-breakdown"
 _ORDER = {name: i for i, name in enumerate((*STAGES, "ttft"))}
 
@@ -55,3 +62,10 @@ def describe(stages: dict[str, float], route: str | None = None) -> str:
         lines.append(f"  {'ttft':<{width}} {stages['ttft'] * 1e3:9.3f} ms "
                      f"({max(stages['ttft'] - inside, 0.0) * 1e3:.3f} ms network and router)")
     return "\n".join(lines)
+
+
+def debug_headers(generation: Generation) -> tuple[tuple[str, str], ...]:
+    """Debug mode's answer for a started request: its route (``path/reason``) and its TTFT
+    breakdown, as HTTP headers / gRPC trailing metadata."""
+    headers = ((ROUTE_HEADER, generation.route),) if generation.route else ()
+    return (*headers, (TTFT_HEADER, format_breakdown(generation.ttft_stages)))

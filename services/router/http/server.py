@@ -4,12 +4,12 @@
     GET  /v1/models             GET  /health                  (200 healthy, 503 otherwise)
     GET  /metrics               Prometheus text format (services/router/metrics.py)
 
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-input, 413 / 431 for a body / headers beyond the router's RequestLimits, 429 with
-``Retry-After`` when the router's queue or every worker is full, 503 when not ready (starting,
-draining, no healthy worker), 504 when the request's ``timeout`` passed, 500 when the backend
-fails. No error body carries a stack trace or a file path. Once a stream has started a failure
-is sent as an ``error`` event followed by ``data: [DONE]``. A client that disconnects
+Errors use OpenAI's shape (http/errors.py maps each of the router's errors once): 400 for bad
+input, 404 for an unknown model, 413 / 431 for a body / headers beyond the router's
+RequestLimits, 429 with ``Retry-After`` when the router's queue or every worker is full, 503
+when not ready (starting, draining, no healthy worker), 504 when the request's ``timeout``
+passed, 500 when the backend fails. Once a stream has started a failure is sent as an
+``error`` event followed by ``data: [DONE]``. A client that disconnects
 cancels its handler (``handler_cancellation``), which closes the request's Generation and so
 aborts it in the backend.
 """
@@ -17,7 +17,6 @@ aborts it in the backend.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -27,19 +26,19 @@ from typing import Any
 from aiohttp import web
 
 from services.common.metrics import CONTENT_TYPE, render
-from services.router.admission import QueueFull
-from services.router.backend import BackendError, Overloaded, Unavailable
-from services.router.errors import InvalidRequest, NotServing, RequestTimeout
-from services.router.frontend import Frontend, Generation, RouterState, debug_headers
-from services.router.http_auth import OPEN, HttpAuth, require_api_key
-from services.router.openai_protocol import (
+from services.router.errors import BackendError, InvalidRequest, NotServing, Overloaded, RequestTimeout
+from services.router.http.auth import OPEN, HttpAuth, require_api_key
+from services.router.http.errors import count_rejections, openai_errors, stream_error
+from services.router.http.protocol import (
     OpenAIRequest,
-    error_body,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
-from services.router.openai_responses import ResponseRenderer, dumps
+from services.router.http.responses import ResponseRenderer, dumps
+from services.router.pipeline.debug_route import debug_headers
+from services.router.pipeline.frontend import Frontend, RouterState
+from services.router.pipeline.generation import Generation
 
 log = logging.getLogger(__name__)
 # aiohttp's own per-line ceiling, this many times max_header_bytes: a header line between the
@@ -85,9 +84,9 @@ async def start_http_server(state: RouterState, host: str = "127.0.0.1", port: i
 
 
 def build_app(state: RouterState, auth: HttpAuth = OPEN) -> web.Application:
-    """The routes; ``auth``: API keys (services/router/http_auth.py), checked before anything else."""
+    """The routes; ``auth``: API keys (http/auth.py), checked before anything else."""
     handlers = _Handlers(state)
-    app = web.Application(middlewares=[require_api_key(auth), _errors, _count_rejections(state),
+    app = web.Application(middlewares=[require_api_key(auth), openai_errors, count_rejections(state.metrics),
                                        _check_size(state)],
                           client_max_size=state.limits.max_body_bytes)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -96,30 +95,6 @@ def build_app(state: RouterState, auth: HttpAuth = OPEN) -> web.Application:
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     return app
-
-
-def _count_rejections(state: RouterState) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Count requests refused with a 4xx/503 before a Generation started (bad input, not ready):
-    ``pdserve_rejected_requests_total`` and an ``error`` in ``dynamo_frontend_requests_total``.
-    A backend's ValueError was already counted by its Generation."""
-    @web.middleware
-    async def count(request: web.Request,
-                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except InvalidRequest:
-            state.metrics.reject("invalid")
-            raise
-        except ValueError:
-            state.metrics.reject("invalid", was_counted=True)
-            raise
-        except Overloaded as error:
-            # A Generation counted it unless the router refused it itself (queue full, not ready).
-            was_counted = not isinstance(error, (QueueFull, NotServing))
-            state.metrics.reject("overload", was_counted=was_counted)
-            raise
-
-    return count
 
 
 def _check_size(state: RouterState) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -149,45 +124,6 @@ def _body_too_large(num_bytes: int | None, limit: int) -> InvalidRequest:
     size = f"is {num_bytes} bytes" if num_bytes is not None else "is too large"
     return InvalidRequest(f"the request body {size}; at most {limit} bytes are allowed", None,
                           "request_too_large", status=413)
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           error_type: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(message, param, code, error_type), status=status,
-                             dumps=dumps, headers=headers)
-
-
-@web.middleware
-async def _errors(request: web.Request,
-                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Exceptions raised before a response started -> OpenAI-shaped error responses."""
-    try:
-        return await handler(request)
-    except InvalidRequest as error:
-        return _error(error.status, error.message, error.param, error.code)
-    except ValueError as error:  # the backend's verdict on bad input
-        return _error(400, str(error))
-    except Unavailable as error:
-        return _error(503, str(error), code="unavailable", error_type="service_unavailable")
-    except Overloaded as error:
-        retry_after = str(max(math.ceil(error.retry_after_s), 1))
-        return _error(429, str(error), code="rate_limit_exceeded", error_type="requests",
-                      headers={"Retry-After": retry_after})
-    except RequestTimeout as error:
-        return _error(504, str(error), "timeout", "deadline_exceeded", "timeout_error")
-    except BackendError as error:
-        log.warning("request failed in the backend: %s", error)
-        return _error(500, str(error), error_type="internal_server_error")
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        return _error(error.status, f"{error.reason}: {request.method} {request.path}",
-                      code=error.reason.lower().replace(" ", "_"))
-    except Exception as error:  # noqa: BLE001 - a bug; the client still gets JSON
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error(500, f"internal error ({type(error).__name__}); the router's log has the "
-                           "details", error_type="internal_server_error")
 
 
 class _Handlers:
@@ -226,9 +162,7 @@ class _Handlers:
         arrived_at = time.monotonic()
         frontend = self._frontend()
         api = parse(parse_json_body(await request.read()))
-        if api.model is not None and api.model != frontend.model.name:
-            raise InvalidRequest(f"model {api.model!r} does not exist; this server serves "
-                                 f"{frontend.model.name!r}", "model", "model_not_found")
+        frontend.check_model(api.model)
         prompt_ids = frontend.tokenize(api.prompt, api.messages, api.add_generation_prompt)
         params = frontend.check(prompt_ids, api.params, "messages" if api.is_chat else "prompt")
         deadline = None if api.timeout_s is None else arrived_at + api.timeout_s
@@ -261,12 +195,10 @@ async def _stream(request: web.Request, api: OpenAIRequest, generation: Generati
                     await send(chunk)
             if api.include_usage:
                 await send(render.usage_chunk())
-        except RequestTimeout as error:
-            log.info("stream %s: %s", generation.request_id, error)
-            await send(error_body(str(error), "timeout", "deadline_exceeded", "timeout_error"))
-        except (BackendError, Overloaded, ValueError) as error:
-            log.warning("stream %s failed: %s", generation.request_id, error)
-            await send(error_body(str(error), error_type="internal_server_error"))
+        except (BackendError, Overloaded, ValueError) as error:  # RequestTimeout is a BackendError
+            log.log(logging.INFO if isinstance(error, RequestTimeout) else logging.WARNING,
+                    "stream %s failed: %s", generation.request_id, error)
+            await send(stream_error(error))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:

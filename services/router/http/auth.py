@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from services.common.auth import KeySet, bearer_token
-from services.router.openai_protocol import error_body
-from services.router.openai_responses import dumps
+from services.router.http.protocol import error_body
+from services.router.http.responses import dumps
 
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"

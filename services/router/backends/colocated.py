@@ -16,7 +16,8 @@ from engine.args import EngineArgs
 from engine.config import Role
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from services.router.backend import Backend, BackendError, Overloaded, TokenEvent
+from services.router.backends.backend import Backend, TokenEvent
+from services.router.errors import BackendError, Overloaded
 from services.router.model_info import ModelInfo
 
 if TYPE_CHECKING:

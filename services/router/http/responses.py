@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from services.router.frontend import Frontend, Generation, SampleDelta, Usage
-from services.router.openai_protocol import OpenAIRequest
+from services.router.http.protocol import OpenAIRequest
+from services.router.pipeline.frontend import Frontend
+from services.router.pipeline.generation import Generation, SampleDelta, Usage
 
 if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
     from engine.sampling.logprobs import PositionLogprobs

@@ -1,0 +1,96 @@
+"""The one reader of a decode worker's token stream: ``Decode`` (remote path), ``Generate``
+(local path, and a migration's resume), each a stream of ``DecodeResponse``.
+
+    stream = DecodeStream(call, decode, sample, in_flight)
+    first = await stream.open()        # the first response; a gRPC error before it is raised
+                                       # as is (grpc.aio.AioRpcError): the path decides
+    async for event in stream.events():   # TokenEvents from the first response on, until one
+        ...                               # finishes; errors mapped by worker_errors.py
+    await stream.close()               # always (a finally): cancels the call unless it
+                                       # finished, and ends the worker's in-flight share
+
+After the first response every error means the sample had started (``worker_error(...,
+is_started=True)``): a lost worker is WorkerLost, and so is a stream that ends without a
+finish reason. ``alongside`` (the remote path's prefill call, still pushing KV) is watched
+while waiting: if it fails first, its error is raised here. Closing the stream before it
+finished (a stop string, the client gone) cancels the call, which aborts the request on the
+worker and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.pb import worker_pb2
+from services.common.wire import finish_from_proto, logprobs_list_from_proto
+from services.router.backends.backend import TokenEvent
+from services.router.backends.sample import Sample
+from services.router.backends.worker_errors import WorkerLost, worker_error
+from services.router.routing.worker_pool import InFlight, Worker
+
+
+class DecodeStream:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, worker: Worker, sample: Sample,
+                 in_flight: InFlight, alongside: asyncio.Future[None] | None = None) -> None:
+        self.call = call
+        self.worker = worker
+        self.sample = sample
+        self.in_flight = in_flight  # ends its prefill share at the first response, all at close
+        self.alongside = alongside
+        self.is_finished = False
+        self._first: worker_pb2.DecodeResponse | None = None
+
+    async def open(self) -> worker_pb2.DecodeResponse:
+        """The first response (read once). Raises the call's AioRpcError as is."""
+        if self._first is None:
+            self._first = await self._read()
+            self.in_flight.end_prefill()
+        return self._first
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """The sample's events until one carries a finish reason (``is_finished`` turns true
+        before that one is yielded). The owner closes the stream, finished or not."""
+        is_first = True
+        while not self.is_finished:
+            response = await self._next(is_first)
+            is_first = False
+            finish = finish_from_proto(response.finish_reason)
+            self.is_finished = finish is not None
+            yield TokenEvent(
+                index=self.sample.index, token_ids=list(response.token_ids),
+                logprobs=logprobs_list_from_proto(response.logprobs), finish_reason=finish,
+                stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None)
+
+    async def close(self) -> None:
+        """Cancel the call unless it finished, and end the worker's in-flight share (idempotent)."""
+        if not self.is_finished and not self.call.done():
+            self.call.cancel()
+        self.in_flight.end()
+
+    async def _next(self, is_first: bool) -> worker_pb2.DecodeResponse:
+        try:
+            return await (self.open() if is_first else self._read())
+        except grpc.aio.AioRpcError as exc:
+            raise worker_error(self.worker, exc, is_started=True) from exc
+
+    async def _read(self) -> worker_pb2.DecodeResponse:
+        """The next response, failing early if ``alongside`` fails meanwhile."""
+        read = asyncio.ensure_future(self.call.read())
+        alongside = self.alongside
+        try:
+            if alongside is not None and not alongside.done():
+                await asyncio.wait({read, alongside}, return_when=asyncio.FIRST_COMPLETED)
+            if alongside is not None and alongside.done() and not alongside.cancelled():
+                error = alongside.exception()
+                if error is not None:
+                    raise error
+            response: worker_pb2.DecodeResponse = await read
+        finally:
+            if not read.done():
+                read.cancel()
+        if response is grpc.aio.EOF:
+            raise WorkerLost(self.worker, f"it ended {self.sample.request_id!r} without a finish reason")
+        return response

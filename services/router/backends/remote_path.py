@@ -1,0 +1,179 @@
+"""The remote path: a prefill worker computes the first token and the KV, a decode worker
+streams the rest::
+
+    start_prefill picks (prefill P, decode D)  (prefill_start.py: retries, the KV-full wait)
+    P.Prefill(decode=D) ──▶ reservation ──▶ first_token ──▶ TokenEvent (TTFT) ──┐
+                              │ transfer progress … done (read in the background)   │
+    D.Decode(first token, reservation) ◀──────────────────────────────────────────┘
+        ──▶ TokenEvents until a finish reason (DecodeStream)
+
+* The first token ends the sample (EOS, stop token, max_tokens=1): no Decode call; the
+  prefill worker gives the reservation back itself.
+* Closing the iterator (stop string, client gone) cancels both calls: each worker frees what
+  it holds. If the prefill call had already finished (all KV pushed) the router also sends
+  ReleaseBlocks, for a Decode call that may never have reached the decode worker.
+* A failure of the prefill call while the decode stream runs ends the decode stream with it.
+  Every call carries a deadline: the request's time left (services/router/deadline.py) when
+  it has one, else the call's default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Coroutine
+from typing import Any
+
+import grpc
+
+from engine.mathutils import cdiv
+from services.common.pb import worker_pb2
+from services.common.wire import (
+    finish_from_proto,
+    logprobs_from_proto,
+    logprobs_list_from_proto,
+    ttft_stages_from_proto,
+)
+from services.router.backends.backend import TokenEvent
+from services.router.backends.decode_stream import DecodeStream
+from services.router.backends.placement import Placement
+from services.router.backends.prefill_start import KVFullWait, PrefillSettings, start_prefill
+from services.router.backends.sample import Sample
+from services.router.backends.worker_errors import WorkerLost, worker_error
+from services.router.deadline import remaining_s
+from services.router.errors import BackendError
+from services.router.routing.route_plan import RoutePlan
+from services.router.routing.worker_pool import InFlight, Worker
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 2.0
+
+
+class RemotePath:
+    """See the module docstring. ``num_kv_full_waits`` counts the retries after every decode
+    worker lacked free KV blocks."""
+
+    def __init__(self, placement: Placement, prefill: PrefillSettings,
+                 decode_timeout_s: float = 3600.0) -> None:
+        self.placement = placement
+        self.prefill_settings = prefill
+        self.decode_timeout_s = decode_timeout_s
+        self.num_kv_full_waits = 0
+        self._background: set[asyncio.Future[Any]] = set()
+
+    async def run(self, sample: Sample, plan: RoutePlan | None) -> AsyncGenerator[TokenEvent, None]:
+        """The sample's events (module docstring); ``plan`` None: the load policy picks."""
+        kv_wait = KVFullWait(remaining_s(self.prefill_settings.kv_full_wait_s), self._count_kv_wait)
+        started = await start_prefill(sample, plan, self.placement, self.prefill_settings, kv_wait)
+        prefill, decode, call = started.prefill, started.decode, started.call
+        prompt = sample.prompt
+        on_prefill = prefill.begin(prefill_tokens=len(prompt), blocks=cdiv(len(prompt), prefill.block_size))
+        on_decode = decode.begin(blocks=cdiv(len(prompt), decode.block_size))
+        reservation_id: str | None = None
+        prefill_rest: asyncio.Future[None] | None = None
+        stream: DecodeStream | None = None
+        finished = False
+        try:
+            response = started.first
+            while response.WhichOneof("event") != "first_token":
+                if response.WhichOneof("event") == "reservation":
+                    reservation_id = response.reservation.reservation_id
+                response = await _read(call, prefill)
+                if response is grpc.aio.EOF:
+                    raise WorkerLost(prefill, f"it ended {sample.request_id!r} without a first token")
+            on_prefill.end_prefill()
+            first = response.first_token
+            yield _first_event(sample, first, plan)
+            if finish_from_proto(first.finish_reason) is not None:
+                finished = True
+                return
+            if reservation_id is None:
+                raise BackendError(f"prefill worker {prefill.address} sent no reservation for "
+                                   f"{sample.request_id!r}")
+            prefill_rest = asyncio.ensure_future(_drain(call, prefill))
+            stream = DecodeStream(decode.decode.Decode(worker_pb2.DecodeRequest(
+                request_id=sample.request_id, reservation_id=reservation_id,
+                first_token_id=first.token_id), timeout=remaining_s(self.decode_timeout_s)),
+                decode, sample, on_decode, alongside=prefill_rest)
+            async for event in stream.events():
+                yield event
+        finally:
+            finished = finished or (stream is not None and stream.is_finished)
+            await self._settle(call, prefill, decode, (on_prefill, on_decode), stream,
+                               prefill_rest, reservation_id, finished)
+
+    async def _settle(self, call: grpc.aio.UnaryStreamCall, prefill: Worker,
+                      decode: Worker, in_flight: tuple[InFlight, ...], stream: DecodeStream | None,
+                      prefill_rest: asyncio.Future[None] | None, reservation_id: str | None,
+                      finished: bool) -> None:
+        """After the sample ended (any way): free what it holds on both workers."""
+        for share in in_flight:
+            share.end()
+        if stream is not None:
+            await stream.close()
+        if finished and not call.done():
+            # let the prefill worker finish its stream (dropping the call would cancel it)
+            self._spawn(prefill_rest if prefill_rest is not None else _drain(call, prefill))
+        elif prefill_rest is not None:
+            prefill_rest.cancel()
+        if not finished:
+            if not call.done():
+                call.cancel()
+            if reservation_id is not None:
+                self._spawn(_release_after(call, decode, reservation_id))
+
+    def _count_kv_wait(self) -> None:
+        self.num_kv_full_waits += 1
+
+    def _spawn(self, work: asyncio.Future[Any] | Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("background call ended with %r", task.exception())
+
+    def close(self) -> None:
+        """Cancel the background calls (prefill streams draining, releases)."""
+        for task in list(self._background):
+            task.cancel()
+
+
+def _first_event(sample: Sample, first: worker_pb2.FirstToken, plan: RoutePlan | None) -> TokenEvent:
+    return TokenEvent(
+        index=sample.index, token_ids=[first.token_id],
+        logprobs=[logprobs_from_proto(first.logprobs)] if first.HasField("logprobs") else None,
+        prompt_logprobs=logprobs_list_from_proto(first.prompt_logprobs) if sample.index == 0 else None,
+        finish_reason=finish_from_proto(first.finish_reason),
+        stop_token_id=first.stop_token_id if first.HasField("stop_token_id") else None,
+        num_prompt_tokens=len(sample.prompt), num_cached_tokens=first.num_cached_prompt_tokens,
+        route=plan.key if plan is not None else "remote/load",
+        ttft_stages=ttft_stages_from_proto(first.stages))
+
+
+async def _read(call: grpc.aio.UnaryStreamCall, worker: Worker) -> Any:
+    try:
+        return await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise worker_error(worker, exc, is_started=True) from exc
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall, worker: Worker) -> None:
+    """Read the rest of a Prefill stream (transfer progress) until it ends OK."""
+    while await _read(call, worker) is not grpc.aio.EOF:
+        pass
+
+
+async def _release_after(call: grpc.aio.UnaryStreamCall, decode: Worker, reservation_id: str) -> None:
+    """After an early exit: if the Prefill call had finished OK, the prefill worker handed the
+    reservation over, and only a Decode call would free it: release it here. (Had it not
+    finished, the prefill worker releases it once its pushes have settled.)"""
+    try:
+        code = await asyncio.wait_for(call.code(), RELEASE_TIMEOUT_S)
+        if code is grpc.StatusCode.OK:
+            await decode.decode.ReleaseBlocks(
+                worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
+    except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+        log.info("releasing reservation %s on %s: %r", reservation_id, decode.address, exc)

@@ -1,0 +1,122 @@
+"""The disaggregated backend's parts that need no worker: a Sample's params converted once,
+the one DecodeStream reader and its error mapping, and the load policy as the null planner.
+(The paths against real workers: tests/integration/test_cluster.py, test_routing.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from services.common.pb import worker_pb2
+from services.common.wire import FAILED_PEER_KEY, finish_to_proto
+from services.router.backends.decode_stream import DecodeStream
+from services.router.backends.sample import Sample
+from services.router.backends.worker_errors import WorkerLost, worker_error
+from services.router.errors import BackendError, Overloaded
+from services.router.routing.policy import LoadPolicy
+from services.router.routing.worker_pool import Worker
+
+
+class FakeCall:
+    """A unary-stream call that answers ``replies`` (a DecodeResponse, an AioRpcError to raise,
+    or grpc.aio.EOF) one read at a time."""
+
+    def __init__(self, replies: list) -> None:
+        self.replies = list(replies)
+        self.is_cancelled = False
+
+    async def read(self):
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def done(self) -> bool:
+        return not self.replies
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "boom", trailing=()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+def decode_worker() -> Worker:
+    worker = Worker("127.0.0.1:1", "decode")
+    worker.is_healthy = True
+    return worker
+
+
+def reply(*token_ids: int, finish: str | None = None) -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish))
+
+
+def sample(prompt_logprobs: int | None = None) -> Sample:
+    return Sample.create("r", [1, 2, 3], SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs), 2)
+
+
+def read_all(stream: DecodeStream) -> list:
+    async def run():
+        try:
+            return [event async for event in stream.events()]
+        finally:
+            await stream.close()
+    return asyncio.run(run())
+
+
+def test_sample_converts_params_once_and_resumes_without_prompt_logprobs():
+    s = sample(prompt_logprobs=2)
+    assert s.wire_params.max_tokens == 4 and s.wire_params.prompt_logprobs == 2
+    assert s.renamed("r~m1").wire_params is s.wire_params  # every attempt sends the one message
+    resumed = s.resumed_wire_params()
+    assert not resumed.HasField("prompt_logprobs") and resumed.max_tokens == 4
+    assert s.wire_params.HasField("prompt_logprobs")  # the sample's own is untouched
+
+
+def test_decode_stream_yields_events_until_a_finish_and_ends_the_in_flight_share():
+    worker = decode_worker()
+    call = FakeCall([reply(5, 6), reply(7, finish="length")])
+    stream = DecodeStream(call, worker, sample(), worker.begin(prefill_tokens=3, blocks=1))
+    assert worker.local == [1, 3, 1]
+    events = read_all(stream)
+    assert [(e.index, e.token_ids, e.finish_reason) for e in events] == [(2, [5, 6], None), (2, [7], "length")]
+    assert stream.is_finished and not call.is_cancelled and worker.local == [0, 0, 0]
+
+
+def test_decode_stream_maps_a_lost_worker_and_an_early_end_to_worker_lost():
+    worker = decode_worker()
+    stream = DecodeStream(FakeCall([reply(5), rpc_error(grpc.StatusCode.UNAVAILABLE, "reset")]),
+                          worker, sample(), worker.begin())
+    with pytest.raises(WorkerLost, match="UNAVAILABLE: reset"):
+        read_all(stream)
+    assert not worker.is_healthy  # out of routing until a health poll passes
+    worker = decode_worker()
+    call = FakeCall([reply(5), grpc.aio.EOF, reply(6)])
+    with pytest.raises(WorkerLost, match="without a finish reason"):
+        read_all(DecodeStream(call, worker, sample(), worker.begin()))
+    assert call.is_cancelled and worker.is_healthy
+
+
+def test_worker_errors_before_and_after_the_first_event():
+    worker = decode_worker()
+    assert isinstance(worker_error(worker, rpc_error(grpc.StatusCode.INVALID_ARGUMENT), False), ValueError)
+    assert isinstance(worker_error(worker, rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED), False), Overloaded)
+    lost = worker_error(worker, rpc_error(grpc.StatusCode.INTERNAL, trailing=((FAILED_PEER_KEY,
+                                                                              "prefill"),)), True)
+    assert isinstance(lost, WorkerLost) and lost.is_peer_at_fault
+    failed = worker_error(worker, rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "no"), True)
+    assert type(failed) is BackendError and str(failed) == (
+        "decode worker 127.0.0.1:1 failed: FAILED_PRECONDITION: no")
+
+
+def test_the_load_policy_is_the_null_planner():
+    policy = LoadPolicy()
+    assert policy.is_configured and policy.plan_stage is None
+    assert asyncio.run(policy.plan("r", [1, 2], SamplingParams(), [], [])) is None
+    assert policy.decisions.snapshot() == {"remote/load": 1}
+    policy.finish("r")
+    policy.close()
