@@ -8,7 +8,7 @@
     server.close()
 
 The router serves the same text format on its own HTTP port (``GET /metrics``, see
-``services/router/openai_http.py``) with ``render(registry)``. prometheus_client's server
+``services/router/http/server.py``) with ``render(registry)``. prometheus_client's server
 thread blocks in ``accept`` between scrapes: an idle process pays nothing for it.
 
 Both serve the classic text format whatever the scraper's ``Accept`` header asks: Prometheus asks
