@@ -6,7 +6,7 @@
     kv_transfer      pushing finished chunks before the first token (with a transfer only)
 
 Seconds; sent with the first token (``FirstToken.stages``) so the router can break a slow
-TTFT down (services/router/ttft_breakdown.py).
+TTFT down (services/router/pipeline/debug_route.py).
 """
 
 from __future__ import annotations
