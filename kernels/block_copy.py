@@ -56,9 +56,10 @@ def copy_blocks_ref(kv_cache: torch.Tensor, src_ids: torch.Tensor, dst_ids: torc
 
 
 @triton.jit
-def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel,
-                        src_stride, dst_stride, SRC_INDEXED: tl.constexpr,
-                        DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_blocks_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel, src_stride, dst_stride,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr,
+):
     # Program (i, j) copies chunk j of block i. A side that is not indexed is the packed buffer,
     # whose row i is block i.
     i = tl.program_id(0).to(tl.int64)

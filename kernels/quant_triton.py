@@ -115,9 +115,11 @@ def _pack_q4_k(rows: QuantRows) -> TritonQuant:
 
 
 @triton.jit
-def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
-                       stride_sc, stride_out, FOUR_BIT: tl.constexpr, K_QUANT: tl.constexpr,
-                       SIX_BIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quant_gemv_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
+    stride_sc, stride_out, FOUR_BIT: tl.constexpr, K_QUANT: tl.constexpr,
+    SIX_BIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N

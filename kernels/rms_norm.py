@@ -40,7 +40,7 @@ def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 @triton.jit
-def _rms_norm_kernel(
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     hidden_size, eps,
     stride_x, stride_res, stride_out, stride_res_out,

@@ -99,8 +99,9 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
+def rotate_heads(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < half)
@@ -112,7 +113,7 @@ def rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constex
 
 
 @triton.jit
-def _rotary_kernel(
+def _rotary_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
     num_heads, num_kv_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
