@@ -75,7 +75,8 @@ def _copy_blocks_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/
     tl.store(dst_ptr + dst_row * dst_stride + offs, data, mask=mask)
 
 
-def _launch(src, dst, src_ids, dst_ids, num, block_numel, src_stride, dst_stride) -> None:
+def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None, dst_ids: torch.Tensor | None,
+            num: int, block_numel: int, src_stride: int, dst_stride: int) -> None:
     check_launchable(src.device)
     if num == 0 or block_numel == 0:
         return

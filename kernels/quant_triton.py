@@ -22,7 +22,9 @@ under ``TRITON_INTERPRET=1`` (small shapes).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +70,8 @@ def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
     packers = {"q4_k": _pack_q4_k, "q6_k": _pack_q6_k, "q5_0": _pack_q5, "q5_1": _pack_q5}
     handle = packers.get(rows.format, _pack_q8_0_or_4_bit)(rows)
     fields = (getattr(handle, f.name) for f in dataclasses.fields(handle))  # astuple would deep-copy
-    return TritonQuant(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in fields))
+    moved: Iterator[Any] = (t.to(device) if isinstance(t, torch.Tensor) else t for t in fields)
+    return TritonQuant(*moved)
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ from kernels._triton import check_launchable, tl, triton
 from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, check_scale_alignment, quantize_rows
 
 
-def check_store_kv_args(key, value, key_cache, value_cache, slot_mapping) -> int:
+def check_store_kv_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> int:
     """Returns head_dim (the cache's row width, less the scale's bytes when quantized)."""
     check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES + QUANT_DTYPES,
                  last_dim_contiguous=True)
