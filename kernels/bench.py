@@ -15,9 +15,13 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kernels.bench_attention_cpu import AttentionArgs
 
 # name fragment -> (HBM bytes/s, dense bf16 tensor FLOP/s); first match wins, so specific first
 PEAKS: list[tuple[str, float, float]] = [
@@ -37,11 +41,13 @@ def _peak(device_name: str) -> tuple[float | None, float | None]:
 
 def _time_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100)
+    ms: float = do_bench(fn, warmup=25, rep=100)
+    return ms
 
 
 def _paged_case(num_seqs: int, seq_len: int, q_len: int, num_heads: int, num_kv_heads: int,
-                head_dim: int, block_size: int, dtype: torch.dtype):
+                head_dim: int, block_size: int, dtype: torch.dtype
+                ) -> tuple[AttentionArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A batch in the engine's 6-d cache layout, with block ids shuffled across sequences."""
     blocks_per_seq = -(-seq_len // block_size)
     num_blocks = num_seqs * blocks_per_seq

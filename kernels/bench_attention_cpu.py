@@ -24,6 +24,10 @@ import torch.nn.functional as F
 
 from kernels.timing import best_seconds
 
+# paged attention's positional arguments: query, key_cache, value_cache, block_tables, seq_lens,
+# cu_seqlens_q, max_seqlen_q, scale
+AttentionArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float]
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 # name, number of sequences, context (seq_len), new tokens per sequence (q_len)
 CASES = [("prefix hit: 112 on 1,900 cached", 1, 2012, 112), ("prompt 512, fresh", 1, 512, 512),
@@ -32,7 +36,8 @@ CASES = [("prefix hit: 112 on 1,900 cached", 1, 2012, 112), ("prompt 512, fresh"
          ("decode batch 16 x 2000", 16, 2000, 1)]
 
 
-def _case(num_seqs: int, seq_len: int, q_len: int, seed: int = 0):
+def _case(num_seqs: int, seq_len: int, q_len: int, seed: int = 0
+          ) -> tuple[AttentionArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """(kernel args over a paged layer view with shuffled block ids, SDPA's q, k, v, mask)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-seq_len // BLOCK_SIZE)

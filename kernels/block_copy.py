@@ -56,9 +56,10 @@ def copy_blocks_ref(kv_cache: torch.Tensor, src_ids: torch.Tensor, dst_ids: torc
 
 
 @triton.jit
-def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel,
-                        src_stride, dst_stride, SRC_INDEXED: tl.constexpr,
-                        DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_blocks_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel, src_stride, dst_stride,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr,
+):
     # Program (i, j) copies chunk j of block i. A side that is not indexed is the packed buffer,
     # whose row i is block i.
     i = tl.program_id(0).to(tl.int64)
@@ -74,7 +75,8 @@ def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel,
     tl.store(dst_ptr + dst_row * dst_stride + offs, data, mask=mask)
 
 
-def _launch(src, dst, src_ids, dst_ids, num, block_numel, src_stride, dst_stride) -> None:
+def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None, dst_ids: torch.Tensor | None,
+            num: int, block_numel: int, src_stride: int, dst_stride: int) -> None:
     check_launchable(src.device)
     if num == 0 or block_numel == 0:
         return

@@ -37,12 +37,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from kernels import calibration_workloads
 from kernels.calibration_workloads import best_times, workload
 from kernels.op_table import Ops, compiled_ops, torch_ops
+
+if TYPE_CHECKING:  # for types only: kernels.cpu.linear and kernels.quant_cpu build their C++ library on import
+    from kernels.cpu.linear import PackedWeight
+    from kernels.quant import QuantRows
+    from kernels.quant_cpu import PackedQuant
+
+SizeOf = Callable[[tuple[Any, ...]], float]  # an op's call arguments -> the size its class is chosen by
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +157,12 @@ def calibrate(dims: ModelDims, *, force: bool = False) -> Calibration:
     return table
 
 
-def measured_ops(table: Calibration):
+def measured_ops(table: Calibration) -> Ops:
     """The 'cpu' backend's op table: per op, per size class, the implementation that won."""
     compiled, ref = compiled_ops(), torch_ops()
     impl_of = {"cpu": compiled, "torch": ref}
 
-    def pick(op: str, size_of: Callable) -> Callable:
+    def pick(op: str, size_of: SizeOf) -> Callable[..., Any]:
         return _by_size([(bound, getattr(impl_of[impl], op)) for bound, impl in table.impls(op)], size_of)
 
     linear_impls = {impl for _, impl in table.impls("linear")}
@@ -203,7 +211,7 @@ class DualWeight:
     """A matmul weight in the layout of each implementation that serves some size class: the
     compiled kernel's packed panels, and/or the plain [in, out] tensor for ``torch.mm``."""
 
-    packed: object | None
+    packed: PackedWeight | PackedQuant | None
     plain: torch.Tensor | None
 
     @classmethod
@@ -214,7 +222,7 @@ class DualWeight:
                    w_t.contiguous() if "torch" in impls else None)
 
     @classmethod
-    def pack_quant(cls, blocks, impls: set[str]) -> DualWeight:
+    def pack_quant(cls, blocks: QuantRows, impls: set[str]) -> DualWeight:
         """GGUF blocks (``kernels.quant.QuantRows``): the compiled kernel's panels and/or the
         dequantized [in, out] weight for ``torch.mm`` (the size classes torch serves)."""
         from kernels.quant import pack_quant_ref
@@ -227,20 +235,20 @@ class DualWeight:
     def _compiled(x: torch.Tensor, w: DualWeight) -> torch.Tensor:
         from kernels.cpu.linear import linear
 
-        return linear(x, w.packed)
+        return linear(x, cast("PackedWeight", w.packed))  # set where 'cpu' serves a class
 
     @staticmethod
     def _compiled_quant(x: torch.Tensor, w: DualWeight) -> torch.Tensor:
         from kernels.quant_cpu import quant_linear
 
-        return quant_linear(x, w.packed)
+        return quant_linear(x, cast("PackedQuant", w.packed))  # as above
 
     CALLS = {"cpu": lambda x, w: DualWeight._compiled(x, w), "torch": lambda x, w: torch.mm(x, w.plain)}
     QUANT_CALLS = {"cpu": lambda x, w: DualWeight._compiled_quant(x, w),
                    "torch": lambda x, w: torch.mm(x, w.plain)}
 
 
-def _by_size(classes: list[tuple[float, Callable]], size_of: Callable) -> Callable:
+def _by_size(classes: list[tuple[float, Callable[..., Any]]], size_of: SizeOf) -> Callable[..., Any]:
     """One callable over ``classes`` ([(upper bound, impl)], ascending); no dispatch at all
     when every class has the same implementation."""
     if len({id(impl) for _, impl in classes}) == 1:
@@ -248,7 +256,7 @@ def _by_size(classes: list[tuple[float, Callable]], size_of: Callable) -> Callab
     bounds = [bound for bound, _ in classes]
     impls = [impl for _, impl in classes]
 
-    def dispatch(*args, **kwargs):
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
         size = size_of(args)
         for bound, impl in zip(bounds, impls):
             if size <= bound:
@@ -260,7 +268,9 @@ def _by_size(classes: list[tuple[float, Callable]], size_of: Callable) -> Callab
 
 def format_table(table: Calibration) -> str:
     """The table ``pdserve bench kernels`` prints: both timings per class, and the choice."""
-    ms = lambda s: f"{s * 1e3:.3f}" if s else "-"  # noqa: E731
+    def ms(s: float | None) -> str:
+        return f"{s * 1e3:.3f}" if s else "-"
+
     lines = [f"CPU kernel choice on {table.cpu or 'this CPU'}, ISA {table.isa}, {table.num_threads} "
              f"threads, torch {torch.__version__}",
              f"{'op':<16}{'size class':>12}{'at':>6}{'compiled ms':>13}{'torch ms':>10}{'torch/compiled':>16}  chosen"]

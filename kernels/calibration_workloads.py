@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.calibration import ModelDims
+    from kernels.op_table import Ops
 
 BLOCK_SIZE = 16
 DECODE_BATCH, DECODE_CONTEXT = 8, 512  # attention's q_len-1 class: this many sequences this long
@@ -41,7 +45,7 @@ def best_times(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
     return best
 
 
-def workload(op: str, size: int, dims: Any, ops, impl: str) -> Callable[[], object]:
+def workload(op: str, size: int, dims: ModelDims, ops: Ops, impl: str) -> Callable[[], object]:
     """A call of ``op`` at ``size`` on inputs of the model's shapes."""
     if op == "quant_linear":
         return _quant_workload(size, dims, ops, impl)
@@ -83,7 +87,7 @@ def workload(op: str, size: int, dims: Any, ops, impl: str) -> Callable[[], obje
     raise ValueError(f"no workload for op {op!r}")
 
 
-def _quant_workload(size: int, dims: Any, ops, impl: str) -> Callable[[], object]:
+def _quant_workload(size: int, dims: ModelDims, ops: Ops, impl: str) -> Callable[[], object]:
     """Q4_1 matmuls over as many layers as the fp32 ones (the same weight-bound rule)."""
     from kernels.quant import pack_quant_ref, random_rows
 
@@ -105,7 +109,8 @@ def kv_cache(num_blocks: int, kv_heads: int, head_dim: int) -> tuple[torch.Tenso
     return cache[:, 0, 0], cache[:, 0, 1]
 
 
-def attention_workload(q_len: int, heads: int, kv_heads: int, head_dim: int, ops) -> Callable[[], object]:
+def attention_workload(q_len: int, heads: int, kv_heads: int, head_dim: int,
+                       ops: Ops) -> Callable[[], object]:
     """q_len 1: a decode batch; up to 8: a few sequences verifying drafts on a context; longer:
     one prompt chunk, fresh (the common case of a prefill)."""
     if q_len == 1:

@@ -11,11 +11,15 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kernels._triton import JITFunction
 
 TARGET_ARCH = 90  # H100 / H200
 
 
-def _compile(kernel, pointer_types: dict[str, str], constexprs: dict[str, object]) -> None:
+def _compile(kernel: JITFunction, pointer_types: dict[str, str], constexprs: dict[str, object]) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,7 +51,7 @@ def main() -> int:
                    "v_scale_ptr": "*fp32"}
     quant_store = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scale_ptr": "*fp32",
                    "value_scale_ptr": "*fp32", "slot_ptr": "*i64", "default": "*bf16"}
-    jobs = [
+    jobs: list[tuple[str, JITFunction, dict[str, str], dict[str, object]]] = [
         ("paged attention", paged_attention._paged_attention_kernel, index, {**attention, "NUM_SPLITS": 1}),
         ("paged attention split-KV", paged_attention._paged_attention_kernel, index,
          {**attention, "NUM_SPLITS": 4}),

@@ -36,12 +36,16 @@ docstring.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.op_table import Ops as Ops  # re-exported: the model types its op table as kernels.ops.Ops
 from kernels.op_table import compiled_ops as compiled_ops
 from kernels.op_table import torch_ops
+
+if TYPE_CHECKING:
+    from kernels.calibration import ModelDims
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
@@ -65,7 +69,7 @@ def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float3
     return "torch"
 
 
-def get_ops(backend: str, dims=None) -> Ops:
+def get_ops(backend: str, dims: ModelDims | None = None) -> Ops:
     """The op table of ``backend`` ('triton', 'cpu' or 'torch'); for 'cpu', ``dims``
     (``kernels.calibration.ModelDims``) selects the measured mix, None the compiled kernels."""
     from kernels.linear import linear_ref, pack_linear_ref

@@ -45,7 +45,9 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked r
 
 
 @triton.jit
-def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+def _find_seq(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr,
+):
     """Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= tile."""
     lo = 0
     hi = num_seqs
@@ -60,7 +62,7 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _decode_codes(codes, QUANT: tl.constexpr):
+def _decode_codes(codes, QUANT: tl.constexpr):  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     """uint8 code bit patterns -> fp32 (before the row scale). QUANT 1: int8; 2: float8_e4m3fn,
     decoded by its bits: normals are (e + 120) << 23 | m << 20 as fp32, subnormals m * 2^-9."""
     if QUANT == 1:
@@ -76,7 +78,7 @@ def _decode_codes(codes, QUANT: tl.constexpr):
 # variant for each value class (== 1, % 16 == 0) it sees, so a request could pay a compile; the
 # constexprs alone pick a variant, and ``warm_up`` compiles every one the engine can launch.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
-def _paged_attention_kernel(
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
@@ -171,7 +173,7 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(
+def _reduce_splits_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     out_ptr, part_acc_ptr, part_ml_ptr, num_heads, head_dim, stride_ot, stride_oh,
     HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):

@@ -34,8 +34,9 @@ from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, dequantize_rows
 
 
-def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                         max_seqlen_q, scale, out) -> None:
+def check_attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         max_seqlen_q: int, scale: float, out: torch.Tensor | None) -> None:
     """Shapes, dtypes, devices and strides (no device-to-host reads)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, num_heads, head_dim = query.shape
@@ -111,7 +112,9 @@ def _values(rows: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(rows) if rows.dtype in QUANT_DTYPES else rows.float()
 
 
-def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, decode_ids, scale, out):
+def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu: list[int], lens: list[int],
+            decode_ids: list[int], scale: float, out: torch.Tensor) -> None:
     """All single-token queries at once: gather their blocks into [B, Hkv, L, head_dim] and
     attend with two batched matmuls over every (sequence, KV head)."""
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -137,7 +140,9 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, dec
     out.index_copy_(0, rows, res.reshape(batch, -1, res.shape[-1]).to(out.dtype))
 
 
-def _extend(query, key_cache, value_cache, block_table, seq_len, start, end, scale, out):
+def _extend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_table: torch.Tensor, seq_len: int, start: int, end: int, scale: float,
+            out: torch.Tensor) -> None:
     """One sequence with q_len > 1: queries at positions seq_len-q_len.. attend causally."""
     block_size = key_cache.shape[1]
     q_len = end - start

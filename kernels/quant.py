@@ -259,14 +259,16 @@ def q6_k_codes(blocks: np.ndarray) -> np.ndarray:
     qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
     low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [half, c, l], c = 0..3
     high = (qh >> (2 * np.arange(4, dtype=np.uint8).reshape(4, 1))) & 3
-    return (low | (high << 4)).reshape(*lead, 256)
+    codes: np.ndarray = (low | (high << 4)).reshape(*lead, 256)
+    return codes
 
 
 def nibble_pairs(codes: np.ndarray) -> np.ndarray:
     """4-bit codes uint8 [..., 32 k] -> the 4-bit layout [..., 16 k]: per 32 inputs, byte i holds
     input i in its low nibble and input 16 + i in its high one (the file's Q4_0/Q4_1 order)."""
     blocks = codes.reshape(*codes.shape[:-1], -1, 2, 16)
-    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*codes.shape[:-1], -1)
+    pairs: np.ndarray = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*codes.shape[:-1], -1)
+    return pairs
 
 
 def q4_k_parts(rows: QuantRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ library once per machine and raises ``kernels.cpu.CpuKernelsUnavailable`` if it 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +33,9 @@ from kernels.cpu import library
 from kernels.quant import BLOCK_VALUES, QuantRows, nibble_pairs, q4_k_codes, q4_k_scales, q6_k_codes, to_offset_form
 
 _ops = library("quant_linear")
-_quant_linear = _ops.quant_linear.default
-_rms_norm_quant_linear = _ops.rms_norm_quant_linear.default
-LANES = library("linear").linear_lanes()
+_quant_linear: Callable[..., torch.Tensor] = _ops.quant_linear.default
+_rms_norm_quant_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ops.rms_norm_quant_linear.default
+LANES: int = library("linear").linear_lanes()
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 3, "q5_1": 4}
 _FORMATS = {v: k for k, v in FORMAT_IDS.items()}
 ACTIVATIONS_ENV = "PDSERVE_CPU_QUANT_ACTIVATIONS"

@@ -22,7 +22,9 @@ under ``TRITON_INTERPRET=1`` (small shapes).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +70,8 @@ def pack(rows: QuantRows, device: torch.device | str = "cpu") -> TritonQuant:
     packers = {"q4_k": _pack_q4_k, "q6_k": _pack_q6_k, "q5_0": _pack_q5, "q5_1": _pack_q5}
     handle = packers.get(rows.format, _pack_q8_0_or_4_bit)(rows)
     fields = (getattr(handle, f.name) for f in dataclasses.fields(handle))  # astuple would deep-copy
-    return TritonQuant(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in fields))
+    moved: Iterator[Any] = (t.to(device) if isinstance(t, torch.Tensor) else t for t in fields)
+    return TritonQuant(*moved)
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> torch.Tensor:
@@ -115,9 +118,11 @@ def _pack_q4_k(rows: QuantRows) -> TritonQuant:
 
 
 @triton.jit
-def _quant_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
-                       stride_sc, stride_out, FOUR_BIT: tl.constexpr, K_QUANT: tl.constexpr,
-                       SIX_BIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quant_gemv_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, K, stride_x, stride_qs, stride_d,
+    stride_sc, stride_out, FOUR_BIT: tl.constexpr, K_QUANT: tl.constexpr,
+    SIX_BIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N

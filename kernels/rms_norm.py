@@ -24,7 +24,7 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [N, H], weight: [H]. Returns out, or (out, residual_out) when residual is given."""
     _check_args(x, weight, residual)
     if residual is not None:
@@ -40,7 +40,7 @@ def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 @triton.jit
-def _rms_norm_kernel(
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     hidden_size, eps,
     stride_x, stride_res, stride_out, stride_res_out,
@@ -63,7 +63,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`rms_norm_ref` (same contract; new output tensors)."""
     _check_args(x, weight, residual)
     check_launchable(x.device)

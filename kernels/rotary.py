@@ -47,9 +47,9 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float,
     kind = "none" if rope_scaling is None else rope_scaling.kind
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     positions = torch.arange(max_pos, dtype=torch.int64).float()
-    if kind == "linear":
+    if kind == "linear" and rope_scaling is not None:  # always set here: kind is "none" without it
         positions = positions / rope_scaling.factor
-    elif kind == "llama3":
+    elif kind == "llama3" and rope_scaling is not None:
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
     elif kind != "none":
         raise ValueError(f"rope_scaling.kind must be 'none', 'linear' or 'llama3', got {kind!r}")
@@ -69,7 +69,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def check_rotary_args(q, k, positions, cos_sin_cache) -> None:
+def check_rotary_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, _, head_dim = q.shape
     if head_dim % 2:
@@ -99,8 +100,9 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
+def rotate_heads(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < half)
@@ -112,7 +114,7 @@ def rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constex
 
 
 @triton.jit
-def _rotary_kernel(
+def _rotary_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
     num_heads, num_kv_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,

@@ -27,7 +27,7 @@ def rotary_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 
 
 @triton.jit
-def _rotary_store_kv_kernel(
+def _rotary_store_kv_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     num_heads, num_kv_heads, half, block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,

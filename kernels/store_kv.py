@@ -18,7 +18,8 @@ from kernels._triton import check_launchable, tl, triton
 from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, check_scale_alignment, quantize_rows
 
 
-def check_store_kv_args(key, value, key_cache, value_cache, slot_mapping) -> int:
+def check_store_kv_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> int:
     """Returns head_dim (the cache's row width, less the scale's bytes when quantized)."""
     check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES + QUANT_DTYPES,
                  last_dim_contiguous=True)
@@ -61,7 +62,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
 
 
 @triton.jit
-def bf16_bits(x):
+def bf16_bits(x):  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     """fp32 -> bfloat16 bit patterns (int16), rounded to nearest even like torch's cast (Triton
     3.9's interpreter truncates in .to(tl.bfloat16)); NaN -> 0x7FC0, torch's NaN."""
     bits = x.to(tl.int32, bitcast=True)
@@ -70,7 +71,7 @@ def bf16_bits(x):
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -97,7 +98,9 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _quantize(x, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+def _quantize(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    x, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr,
+):
     """Rows of x [BLOCK_H, BLOCK_D] fp32 -> (codes as uint8 bit patterns, scales [BLOCK_H])."""
     x = tl.where(mask, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
@@ -124,7 +127,7 @@ def _quantize(x, mask, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
 
 
 @triton.jit
-def _store_kv_quant_kernel(
+def _store_kv_quant_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     key_ptr, value_ptr, key_codes_ptr, value_codes_ptr, key_scale_ptr, value_scale_ptr, slot_ptr,
     num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,

@@ -38,6 +38,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,14 +138,15 @@ def sources() -> list[str]:
     return sorted(p.stem for p in CSRC.glob("*.cpp"))
 
 
-def library(name: str, isa: str | None = None):
+def library(name: str, isa: str | None = None) -> Any:
     """Build (once per machine, ISA and source version) and load ``csrc/<name>.cpp`` for ``isa``
-    (default: ``default_isa()``); returns the ``torch.ops.pdserve_cpu_<isa>`` namespace."""
+    (default: ``default_isa()``); returns the ``torch.ops.pdserve_cpu_<isa>`` namespace (Any: its
+    ops are looked up by name at run time)."""
     return _library(name, isa or default_isa())
 
 
 @functools.cache
-def _library(name: str, isa: str):
+def _library(name: str, isa: str) -> Any:
     from torch.utils import cpp_extension
 
     if isa not in ISA_FLAGS:

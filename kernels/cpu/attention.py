@@ -14,6 +14,7 @@ multi-query step once a fresh prompt is about a thousand tokens long.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +31,9 @@ LONG_QUERY_THRESHOLD = 1024
 
 
 @functools.cache
-def _kernel():
-    return library("attention").paged_attention.default
+def _kernel() -> Callable[..., object]:
+    kernel: Callable[..., object] = library("attention").paged_attention.default
+    return kernel
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -14,6 +14,7 @@ raises ``kernels.cpu.CpuKernelsUnavailable`` if it cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ class DecoderStack:
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
-        self._forward = handle.forward
+        self._forward: Callable[..., torch.Tensor] = handle.forward
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: Any,
                 kv_cache: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:

@@ -17,22 +17,24 @@ library once per machine and raises ``kernels.cpu.CpuKernelsUnavailable`` if it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.cpu import library
 
 _ops = library("elementwise")
 # The resolved overloads: calling them skips the overload-packet lookup on every call.
-_rms_norm = _ops.rms_norm.default
-_rms_norm_residual = _ops.rms_norm_residual.default
-_rotary = _ops.rotary.default
-_store_kv = _ops.store_kv.default
-_silu_and_mul = _ops.silu_and_mul.default
-_row_argmax = _ops.row_argmax.default
+_rms_norm: Callable[..., torch.Tensor] = _ops.rms_norm.default
+_rms_norm_residual: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ops.rms_norm_residual.default
+_rotary: Callable[..., None] = _ops.rotary.default
+_store_kv: Callable[..., None] = _ops.store_kv.default
+_silu_and_mul: Callable[..., torch.Tensor] = _ops.silu_and_mul.default
+_row_argmax: Callable[..., list[int]] = _ops.row_argmax.default
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [N, H], weight: [H]. Returns out, or (out, residual_out = x + residual) when residual is
     given; new contiguous tensors, inputs untouched."""
     if residual is None:

@@ -12,6 +12,7 @@ Importing this module builds the library once per machine and raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,8 @@ import torch
 from kernels.cpu import library
 
 _ops = library("linear")
-_linear = _ops.linear.default  # the resolved overload: no overload lookup per call
-LANES = _ops.linear_lanes()
+_linear: Callable[..., torch.Tensor] = _ops.linear.default  # the resolved overload: no lookup per call
+LANES: int = _ops.linear_lanes()
 
 
 @dataclass(frozen=True, slots=True)
