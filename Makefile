@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 up: $(STAMP)
 	$(PY) -m services.cli up
 
-# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/.
+# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/ and kernels/.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -43,6 +43,7 @@ import torch
 
 from kernels import calibration_workloads
 from kernels.calibration_workloads import best_times, workload
+from kernels.model_dims import ModelDims as ModelDims  # where engine/ imports it from
 from kernels.op_table import Ops, compiled_ops, torch_ops
 
 if TYPE_CHECKING:  # for types only: kernels.cpu.linear and kernels.quant_cpu build their C++ library on import
@@ -68,25 +69,6 @@ SIZE_CLASSES: dict[str, tuple[tuple[float, int], ...]] = {
     "store_kv": ((16, 8), (256, 128), (float("inf"), 1024)),
     "silu_and_mul": ((16, 8), (256, 128), (float("inf"), 1024)),
 }
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The shapes the ops see: enough to build representative inputs."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int = 1
-
-    @property
-    def linear_shapes(self) -> tuple[tuple[int, int], ...]:
-        """(in, out) of one layer's matmuls: fused qkv, o, fused gate_up, down."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return ((self.hidden_size, q + 2 * kv), (q, self.hidden_size),
-                (self.hidden_size, 2 * self.intermediate_size), (self.intermediate_size, self.hidden_size))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kernels.calibration import ModelDims
+    from kernels.model_dims import ModelDims
     from kernels.op_table import Ops
 
 BLOCK_SIZE = 16

@@ -40,7 +40,16 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter replaces the kernels being compiled")
         return 2
-    from kernels import activation, block_copy, paged_attention, quant_triton, rms_norm, rotary, store_kv
+    from kernels import (
+        activation,
+        block_copy,
+        paged_attention,
+        quant_triton,
+        rms_norm,
+        rotary,
+        rotary_store_kv,
+        store_kv,
+    )
 
     index = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
              "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "default": "*bf16"}
@@ -77,6 +86,9 @@ def main() -> int:
         ("store_kv fp32 into a bf16 cache", store_kv._store_kv_kernel,
          {"slot_ptr": "*i64", "key_cache_ptr": "*i16", "value_cache_ptr": "*i16", "default": "*fp32"},
          dict(BLOCK_H=4, BLOCK_D=64, BF16_BITS=True)),
+        ("rotary + store_kv", rotary_store_kv._rotary_store_kv_kernel,
+         {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "default": "*bf16"},
+         dict(BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32, BF16_BITS=False)),
         ("store_kv int8", store_kv._store_kv_quant_kernel, quant_store,
          dict(BLOCK_H=4, BLOCK_D=64, QMAX=127.0, IS_FP8=False)),
         ("store_kv fp8", store_kv._store_kv_quant_kernel, quant_store,

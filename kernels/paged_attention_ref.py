@@ -103,7 +103,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         _decode(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, decode_ids, scale, out)
     for i, seq_len in enumerate(lens):
         if cu[i + 1] - cu[i] > 1:
-            _extend(query, key_cache, value_cache, block_tables[i], seq_len, cu[i], cu[i + 1], scale, out)
+            extend_attention(query, key_cache, value_cache, block_tables[i], seq_len, cu[i], cu[i + 1], scale, out)
     return out
 
 
@@ -140,7 +140,7 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     out.index_copy_(0, rows, res.reshape(batch, -1, res.shape[-1]).to(out.dtype))
 
 
-def _extend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def extend_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             block_table: torch.Tensor, seq_len: int, start: int, end: int, scale: float,
             out: torch.Tensor) -> None:
     """One sequence with q_len > 1: queries at positions seq_len-q_len.. attend causally."""

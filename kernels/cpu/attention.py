@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.cpu import library
-from kernels.paged_attention_ref import _extend
+from kernels.paged_attention_ref import extend_attention
 
 # One sequence, 9 query / 3 KV heads, head_dim 64 (python -m kernels.bench --cpu), AVX-512, SDPA
 # time over kernel time with the multi-query step, one thread on a shared machine (load 5-7):
@@ -51,6 +51,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         cu = cu_seqlens_q.tolist()
         for i, seq_len in enumerate(seq_lens.tolist()):
             if cu[i + 1] - cu[i] > LONG_QUERY_THRESHOLD:
-                _extend(query, key_cache, value_cache, block_tables[i], seq_len, cu[i], cu[i + 1],
+                extend_attention(query, key_cache, value_cache, block_tables[i], seq_len, cu[i], cu[i + 1],
                         scale, out)
     return out
