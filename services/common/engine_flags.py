@@ -8,19 +8,20 @@ the same settings on to another process.
 
 One flag per field, named after it (``num_kv_blocks`` -> ``--num-kv-blocks``), each with its
 ``PDSERVE_*`` twin (``PDSERVE_NUM_KV_BLOCKS``, see services.common.settings); a switch that is
-on by default takes its name from the field's metadata (``--no-prefix-caching``). ``--model``
-sits next to them: every process that runs an engine loads one. Torch-free.
+on by default takes its name from the field's metadata (``--no-prefix-caching``): the same
+table as every service's flags (services/common/flags.py). ``--model`` sits next to them:
+every process that runs an engine loads one. Torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.args import EngineArgs
+from services.common.flags import add_flags, flag_name, flags_argv, flags_from
 from services.common.settings import add_env_argument
 
 MODEL_HELP = "GGUF file or HF model directory (default: the embedded SmolLM2-135M)"
@@ -30,30 +31,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
                          environ: Mapping[str, str] | None = None) -> None:
     """Add ``--model`` and one flag per EngineArgs field (default: the field's) to ``parser``."""
     add_env_argument(parser, "--model", default=None, help=MODEL_HELP, environ=environ)
-    for setting, kind in _settings():
-        options: dict[str, Any] = {"default": setting.default, "help": setting.metadata["help"]}
-        if kind is bool:
-            options["action"] = "store_false" if setting.default else "store_true"
-        else:
-            options["type"] = kind
-            if "choices" in setting.metadata:
-                options["choices"] = setting.metadata["choices"]
-        add_env_argument(parser, flag_of(setting), dest=setting.name, environ=environ, **options)
+    add_flags(parser, EngineArgs, environ)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     """The EngineArgs of a namespace parsed by a parser with ``add_engine_arguments``."""
-    return EngineArgs(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)})
+    return flags_from(EngineArgs, namespace)
 
 
 def engine_argv(args: EngineArgs) -> list[str]:
     """Flags that give another process ``args``: one per field that differs from its default."""
-    argv: list[str] = []
-    for setting, kind in _settings():
-        value = getattr(args, setting.name)
-        if value != setting.default:
-            argv += [flag_of(setting)] if kind is bool else [flag_of(setting), str(value)]
-    return argv
+    return flags_argv(args)
 
 
 def parse_engine_argv(argv: Sequence[str]) -> EngineArgs:
@@ -64,16 +52,6 @@ def parse_engine_argv(argv: Sequence[str]) -> EngineArgs:
     return engine_args_from(parser.parse_args(list(argv)))
 
 
-def _settings() -> list[tuple[dataclasses.Field, type]]:
-    """Each EngineArgs field with the type its flag parses (``int | None`` -> int)."""
-    hints = typing.get_type_hints(EngineArgs)
-    settings = []
-    for setting in dataclasses.fields(EngineArgs):
-        kinds = [t for t in typing.get_args(hints[setting.name]) if t is not type(None)]
-        settings.append((setting, kinds[0] if kinds else hints[setting.name]))
-    return settings
-
-
-def flag_of(setting: dataclasses.Field) -> str:
+def flag_of(setting: dataclasses.Field[Any]) -> str:
     """The command-line flag of an EngineArgs field (``num_kv_blocks`` -> ``--num-kv-blocks``)."""
-    return setting.metadata.get("flag", "--" + setting.name.replace("_", "-"))
+    return flag_name(setting)

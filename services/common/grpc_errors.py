@@ -77,7 +77,7 @@ def status_of(error: ServiceError) -> grpc.StatusCode:
     """The status code of ``error``'s kind (its nearest mapped base class)."""
     for kind in type(error).__mro__:
         if kind in STATUS_OF:
-            return STATUS_OF[kind]  # type: ignore[index]
+            return STATUS_OF[kind]
     return grpc.StatusCode.UNKNOWN
 
 

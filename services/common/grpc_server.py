@@ -41,8 +41,8 @@ from services.common.internal_auth import TOKEN_METADATA
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRACE_S = 10.0
-# KV chunks are <= 4 MiB of payload plus a header; leave room.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024  # payload of one streamed KV message (pushes, kvstore Put / Get)
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES  # a chunk plus its header, with room
 
 # Channels to a peer that may restart on the same address (a worker after a crash or a rolling
 # restart): gRPC's default reconnect backoff grows to 120 s, and calls fail fast meanwhile, so a

@@ -56,6 +56,7 @@ KV_FULL_KEY = "pdserve-kv-full"
 NIXL = worker_pb2.KV_TRANSFER_METHOD_NIXL
 GRPC = worker_pb2.KV_TRANSFER_METHOD_GRPC
 TRANSFER_METHODS = {"nixl": NIXL, "grpc": GRPC}
+TRANSFERS = tuple(TRANSFER_METHODS)  # --transfer's choices: the KV transport between workers
 METHOD_NAMES = {value: name for name, value in TRANSFER_METHODS.items()}
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import Role
-from services.common.settings import add_env_argument
 from services.worker.server import run_worker
 from services.worker.settings import worker_parser
 
@@ -19,11 +18,7 @@ DEFAULT_PORT = 50071
 def main(argv: Sequence[str] | None = None) -> None:
     from services.decode.handler import DecodeWorker
 
-    parser = worker_parser(Role.DECODE, DEFAULT_PORT)
-    add_env_argument(parser, "--reservation-lease-ms", type=int, default=60_000,
-                     help="a reservation not claimed by a Decode call within this long is "
-                          "released; prefill workers stop writing before it runs out")
-    run_worker(argv, parser, Role.DECODE, DecodeWorker)
+    run_worker(argv, worker_parser(Role.DECODE, DEFAULT_PORT), Role.DECODE, DecodeWorker)
 
 
 if __name__ == "__main__":

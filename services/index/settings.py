@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
+from services.common.flags import add_flags, setting
 from services.common.settings import add_env_argument
 
 DEFAULT_HEARTBEAT_S = 2.0
@@ -15,9 +17,15 @@ def add_redis_url_argument(parser: argparse.ArgumentParser, help_text: str) -> N
     add_env_argument(parser, "--redis-url", default="", help=help_text)
 
 
+@dataclass(frozen=True)
+class PublisherFlags:
+    """A publisher's flags (workers and the kvstore)."""
+
+    redis_url: str = setting("", "publish the blocks this process holds to the prefix index in "
+                             "this Redis, e.g. redis://127.0.0.1:6379/0 (empty: no index)")
+    index_heartbeat_s: float = setting(DEFAULT_HEARTBEAT_S, "seconds between index lease "
+                                       f"renewals; the lease lasts {LEASE_HEARTBEATS} heartbeats")
+
+
 def add_publisher_arguments(parser: argparse.ArgumentParser) -> None:
-    add_redis_url_argument(parser, "publish this worker's prefix cache to the prefix index in this "
-                                   "Redis, e.g. redis://127.0.0.1:6379/0 (empty: no index)")
-    add_env_argument(parser, "--index-heartbeat-s", type=float, default=DEFAULT_HEARTBEAT_S,
-                     help=f"seconds between index lease renewals; the lease lasts "
-                          f"{LEASE_HEARTBEATS} heartbeats")
+    add_flags(parser, PublisherFlags)

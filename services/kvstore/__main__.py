@@ -17,35 +17,39 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from services.common.flags import add_flags, setting
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
 from services.common.internal_auth import add_internal_auth_arguments, install_from_args
 from services.common.metrics import add_metrics_argument
-from services.common.settings import add_env_argument
+from services.common.wire import TRANSFERS
+from services.index.settings import add_publisher_arguments
 
 DEFAULT_PORT = 50081
 GIB = 1 << 30
 
 
+@dataclass(frozen=True)
+class KVStoreFlags:
+    """The kvstore's own flags (services/common/flags.py)."""
+
+    host: str = setting(DEFAULT_HOST, "address to bind (loopback by default)")
+    port: int = setting(DEFAULT_PORT, "gRPC port (0: any free port)")
+    kvstore_gib: float = setting(1.0, "capacity in GiB of block bytes")
+    transfer: str = setting("nixl", "nixl: also serve one-sided NIXL reads (falls back to grpc "
+                            "when unusable)", choices=TRANSFERS)
+    default_lease_ms: int = setting(5000, "read lease when a request asks for 0 ms")
+    max_lease_ms: int = setting(60_000, "longest read lease granted")
+    drain_grace_s: float = setting(DEFAULT_GRACE_S, "on SIGTERM, seconds in-flight requests may "
+                                   "still run")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve serve kvstore", description=__doc__.split("\n\n")[0])
-    add = add_env_argument
-    add(parser, "--host", default=DEFAULT_HOST, help="address to bind (loopback by default)")
-    add(parser, "--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free port)")
-    add(parser, "--kvstore-gib", type=float, default=1.0, help="capacity in GiB of block bytes")
-    add(parser, "--transfer", choices=["nixl", "grpc"], default="nixl",
-        help="nixl: also serve one-sided NIXL reads (falls back to grpc when unusable)")
-    add(parser, "--default-lease-ms", type=int, default=5000,
-        help="read lease when a request asks for 0 ms")
-    add(parser, "--max-lease-ms", type=int, default=60_000, help="longest read lease granted")
-    add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
-        help="on SIGTERM, seconds in-flight requests may still run")
+    add_flags(parser, KVStoreFlags)
     add_metrics_argument(parser)
-    add(parser, "--redis-url", default="",
-        help="publish the stored blocks (tier kvstore, worker kvstore@<node>) to the prefix index "
-             "in this Redis, e.g. redis://127.0.0.1:6379/0 (empty: no index)")
-    add(parser, "--index-heartbeat-s", type=float, default=2.0,
-        help="seconds between index lease renewals")
+    add_publisher_arguments(parser)
     add_internal_auth_arguments(parser)
     return parser
 

@@ -25,14 +25,13 @@ import torch
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion, KVTransferError, TransferState
 from services.common.channels import internal_channel
-from services.common.grpc_server import MAX_MESSAGE_BYTES
+from services.common.grpc_server import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from services.common.pb import kvstore_pb2, kvstore_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.kvstore.nixl_reader import NixlBlockReader
 from services.kvstore.region import block_bytes_of
 
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 4 * 1024 * 1024
 RECONNECT_BACKOFF_MAX_MS = 1000
 
 

@@ -20,6 +20,7 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KV_WIRE_VERSION, KVHandshake, KVRegion
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.faults import faults
+from services.common.grpc_server import CHUNK_BYTES
 from services.common.pb import kv_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.kvstore.index_publisher import KVStoreIndexPublisher
@@ -28,7 +29,6 @@ from services.kvstore.nixl_host import NixlHost
 from services.kvstore.store import BlockStore, MissingBlocksError
 
 KVSTORE_SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreService"].full_name
-CHUNK_BYTES = 4 * 1024 * 1024
 PROGRESS_INTERVAL_S = 0.002  # UCX progress while a NIXL read lease is live, never otherwise
 T = TypeVar("T")
 

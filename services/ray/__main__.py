@@ -30,21 +30,29 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.settings import add_env_argument
+from services.common.flags import add_flags, setting
+from services.common.wire import TRANSFERS
+
+
+@dataclass(frozen=True)
+class RayFlags:
+    """``pdserve serve ray``'s flags (services/common/flags.py)."""
+
+    config: str = setting("", "YAML file of PdserveServingArgs")
+    transfer: str = setting("", "KV transport, when the config file does not name one",
+                            choices=TRANSFERS)
+    address: str = setting("", "Ray cluster address (empty: start a local one)")
+    http_host: str = setting("127.0.0.1", "address Serve's HTTP proxy binds")
+    http_port: int = setting(8000, "Serve's HTTP port")
+    app_name: str = setting("pdserve", "Serve application name")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve serve ray", description=__doc__.split("\n\n")[0])
-    add = add_env_argument
-    add(parser, "--config", required=False, default="", help="YAML file of PdserveServingArgs")
-    add(parser, "--transfer", choices=["nixl", "grpc"], default="",
-        help="KV transport, when the config file does not name one")
-    add(parser, "--address", default="", help="Ray cluster address (empty: start a local one)")
-    add(parser, "--http-host", default="127.0.0.1", help="address Serve's HTTP proxy binds")
-    add(parser, "--http-port", type=int, default=8000, help="Serve's HTTP port")
-    add(parser, "--app-name", default="pdserve", help="Serve application name")
+    add_flags(parser, RayFlags)
     return parser
 
 

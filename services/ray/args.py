@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from services.common.wire import TRANSFERS
 from services.ray.kv_layout import KVLayout
 
-TRANSFERS = ("nixl", "grpc")
 ROLES = ("router", "prefill", "decode", "kvstore")
 
 

@@ -16,8 +16,9 @@ import uuid
 import torch
 
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion, KVTransferError
+from services.common.grpc_server import CHUNK_BYTES
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # payload per message; the header travels alone
+DEFAULT_CHUNK_BYTES = CHUNK_BYTES  # payload per message; the header travels alone
 DEFAULT_PUSH_TIMEOUT_S = 60.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 

@@ -44,10 +44,10 @@ from engine.kv_cache.tiers.lower_tier import EvictedBlock
 from engine.kv_transfer.base import KVCompat, KVTransferError
 from services.kvstore.client import KVStoreClient
 from services.worker.kvstore_nixl import NixlLoader
+from services.worker.settings import KVSTORE_TRANSFERS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TRANSFERS = ("nixl", "grpc", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +73,9 @@ class KVStoreTierConfig:
                              f"load {self.load_budget_s}, rpc {self.rpc_timeout_s}")
         if self.max_queued_blocks < 1:
             raise ValueError(f"max_queued_blocks must be >= 1, got {self.max_queued_blocks}")
-        if self.transfer not in TRANSFERS:
-            raise ValueError(f"kvstore transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
+        if self.transfer not in KVSTORE_TRANSFERS:
+            raise ValueError(f"kvstore transfer must be one of {', '.join(KVSTORE_TRANSFERS)}, "
+                             f"got {self.transfer!r}")
         if self.staging_blocks < 1:
             raise ValueError(f"staging_blocks must be >= 1, got {self.staging_blocks}")
 

@@ -1,4 +1,5 @@
-"""Flags of the prefill and decode workers: their own, then the engine's (engine_flags.py).
+"""Flags of the prefill and decode workers: their own (WorkerFlags, DecodeFlags: one field
+each, services/common/flags.py), the shared groups, then the engine's (engine_flags.py).
 
 Every flag also reads a ``PDSERVE_*`` variable (``--num-kv-blocks`` -> ``PDSERVE_NUM_KV_BLOCKS``).
 """
@@ -7,46 +8,64 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 from engine.config import Role
 from services.common.engine_flags import add_engine_arguments
+from services.common.flags import add_flags, setting
 from services.common.grpc_server import DEFAULT_GRACE_S, DEFAULT_HOST
 from services.common.internal_auth import add_internal_auth_arguments
 from services.common.metrics import add_metrics_argument
-from services.common.settings import add_env_argument
+from services.common.wire import TRANSFERS
 from services.index.settings import add_publisher_arguments
 from services.worker.admission import add_admission_argument
 
-TRANSFERS = ("nixl", "grpc")
-KVSTORE_TRANSFERS = ("nixl", "grpc", "auto")  # services/worker/kvstore_tier.py TRANSFERS
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+KVSTORE_TRANSFERS = ("nixl", "grpc", "auto")  # auto: as the worker's --transfer
+
+@dataclass(frozen=True)
+class WorkerFlags:
+    """The flags of both workers that are neither the engine's nor a shared group's."""
+
+    host: str = setting(DEFAULT_HOST, "address to bind")
+    port: int = setting(0, "gRPC port (0: any free port)")  # each role passes its default
+    worker_id: str = setting("", "name in stats and logs (default: role-port)")
+    transfer: str = setting("nixl", "KV transport: nixl (one-sided writes over UCX; gRPC is "
+                            "served as well) or grpc only", choices=TRANSFERS)
+    cpus: str = setting("", "pin to these CPUs, e.g. '0-3,6' (empty: no pinning)")
+    log_level: str = setting("INFO", "log level (DEBUG: one line per request with its timings)",
+                             choices=LOG_LEVELS)
+    drain_grace_s: float = setting(DEFAULT_GRACE_S, "on SIGTERM, seconds in-flight RPCs may still run")
+    kvstore_address: str = setting(
+        "", "host:port of the node's kvstore (pdserve serve kvstore): host-tier evictions are "
+        "offered to it and a prefix miss asks it before recomputing (empty: none; needs the "
+        "host tier, --cpu-offload-gb > 0)")
+    kvstore_lookup_ms: float = setting(5.0, "a kvstore lookup not answered within this many ms "
+                                       "is a miss")
+    kvstore_transfer: str = setting(
+        "auto", "how blocks are loaded from the kvstore: nixl (one-sided READs; fails at start "
+        "without NIXL), auto (as --transfer: nixl when that is nixl and NIXL starts here, else "
+        "grpc) or grpc (Get); a kvstore without NIXL is always read with Get",
+        choices=KVSTORE_TRANSFERS)
+
+
+@dataclass(frozen=True)
+class DecodeFlags:
+    """The decode worker's own flags."""
+
+    reservation_lease_ms: int = setting(60_000, "a reservation not claimed by a Decode call "
+                                        "within this long is released; prefill workers stop "
+                                        "writing before it runs out")
 
 
 def worker_parser(role: Role, default_port: int) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"pdserve serve {role.value}",
                                      description=f"Serve one {role.value} worker over gRPC.")
-    add = add_env_argument
-    add(parser, "--host", default=DEFAULT_HOST, help="address to bind")
-    add(parser, "--port", type=int, default=default_port, help="gRPC port (0: any free port)")
-    add(parser, "--worker-id", default="", help="name in stats and logs (default: role-port)")
-    add(parser, "--transfer", choices=TRANSFERS, default="nixl",
-        help="KV transport: nixl (one-sided writes over UCX; gRPC is served as well) or grpc only")
-    add(parser, "--cpus", default="", help="pin to these CPUs, e.g. '0-3,6' (empty: no pinning)")
-    add(parser, "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level (DEBUG: one line per request with its timings)")
-    add(parser, "--drain-grace-s", type=float, default=DEFAULT_GRACE_S,
-        help="on SIGTERM, seconds in-flight RPCs may still run")
+    add_flags(parser, WorkerFlags, port=default_port)
+    if role is Role.DECODE:
+        add_flags(parser, DecodeFlags)
     add_metrics_argument(parser)
     add_admission_argument(parser)
-    add(parser, "--kvstore-address", default="",
-        help="host:port of the node's kvstore (pdserve serve kvstore): host-tier evictions are "
-             "offered to it and a prefix miss asks it before recomputing (empty: none; needs the "
-             "host tier, --cpu-offload-gb > 0)")
-    add(parser, "--kvstore-lookup-ms", type=float, default=5.0,
-        help="a kvstore lookup not answered within this many ms is a miss")
-    add(parser, "--kvstore-transfer", choices=KVSTORE_TRANSFERS, default="auto",
-        help="how blocks are loaded from the kvstore: nixl (one-sided READs; fails at start "
-             "without NIXL), auto (as --transfer: nixl when that is nixl and NIXL starts here, "
-             "else grpc) or grpc (Get); a kvstore without NIXL is always read with Get")
     add_publisher_arguments(parser)
     add_internal_auth_arguments(parser)
     add_engine_arguments(parser)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS_S
+from services.common.wire import TRANSFERS
 
-TRANSPORTS = ("nixl", "grpc")
+TRANSPORTS = TRANSFERS
 BYTES_BUCKETS: tuple[float, ...] = tuple(float(1024 * 4 ** i) for i in range(11))  # 1 KiB .. 1 GiB
 
 
