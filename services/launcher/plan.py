@@ -16,6 +16,7 @@ from services.common.grpc_server import DEFAULT_GRACE_S
 from services.common.internal_auth import add_internal_auth_arguments
 from services.common.ports import free_port
 from services.common.settings import add_env_argument
+from services.common.wire import TRANSFERS
 from services.index.settings import add_redis_url_argument
 from services.launcher.child import HOST, Child
 from services.launcher.supervisor import RestartPolicy
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--decode", type=int, default=1, help="number of decode workers")
     add(parser, "--colocated", action="store_true",
         help="one router process with its own engine (prefill and decode together)")
-    add(parser, "--transfer", choices=["nixl", "grpc"], default="nixl", help="KV transport")
+    add(parser, "--transfer", choices=TRANSFERS, default="nixl", help="KV transport")
     add(parser, "--http-port", type=int, default=8000, help="router OpenAI HTTP port")
     add(parser, "--grpc-port", type=int, default=50051, help="router gRPC port")
     add(parser, "--pin-cores", action="store_true",

@@ -21,6 +21,7 @@ from services.common.auth import add_api_key_arguments, api_keys_from
 from services.common.engine_flags import add_engine_arguments, engine_args_from
 from services.common.internal_auth import add_internal_auth_arguments, install_from_args
 from services.common.settings import add_env_argument
+from services.common.wire import TRANSFERS
 from services.index.schema import IndexMetaMismatch
 from services.index.settings import add_redis_url_argument
 from services.router.app import RouterConfig, build_backend, run_router
@@ -39,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="prefill worker addresses, comma-separated HOST:PORT")
     add_env_argument(parser, "--decode", type=_addresses, default=[],
                      help="decode worker addresses, comma-separated HOST:PORT")
-    add_env_argument(parser, "--transfer", choices=("nixl", "grpc"), default="nixl",
+    add_env_argument(parser, "--transfer", choices=TRANSFERS, default="nixl",
                      help="how prefill workers send KV to decode workers")
     add_env_argument(parser, "--drain-grace-s", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM")
