@@ -22,7 +22,6 @@ import torch
 from engine.structured.protocol import MatcherProtocol
 
 NEG_INF = float("-inf")
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(slots=True)
@@ -59,7 +58,7 @@ def build_grammar_mask(entries: Sequence[tuple[MatcherProtocol, Sequence[int]]],
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, W] int32 -> [R, vocab_size] bool, True = admitted."""
-    bits = _BITS.to(bitmask.device)
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no copy
     return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
