@@ -156,9 +156,10 @@ def test_a_resumed_request_replays_its_tokens_into_the_matcher(llm):
 
 
 def test_preemption_gives_identical_greedy_constrained_output(loaded_model, llm):
-    params = [json_params(s, temperature=0) for s in SCHEMAS[:6]]
+    # 5 blocks of 16 tokens: each request fits alone (prompt + 48 <= 64 tokens), 6 do not
+    params = [json_params(s, temperature=0, max_tokens=48) for s in SCHEMAS[:6]]
     expected = [o.token_ids for o in llm.generate([PROMPT] * 6, params)]
-    small = LLM(loaded_model, block_size=16, num_kv_blocks=8, max_num_batched_tokens=64)
+    small = LLM(loaded_model, block_size=16, num_kv_blocks=5, max_num_batched_tokens=64)
     outputs = small.generate([PROMPT] * 6, params)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == expected
