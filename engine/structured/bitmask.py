@@ -8,8 +8,10 @@ them to logits rows::
     mask.rows                 1                     3 4 5
     mask.bitmask              [w...]                [w...] [w...] [w...]
 
-``build_grammar_mask`` is the CPU side (one pinned buffer, one non-blocking copy on CUDA);
-``apply_token_bitmask`` is pure torch on the logits' device (CPU or CUDA): no host sync.
+``build_grammar_mask`` is the CPU side (one pinned buffer, one non-blocking copy on CUDA).
+``apply_token_bitmask`` applies it where the logits are: on CUDA the pure-torch
+``apply_token_bitmask_ref`` (unpack and masked_fill, no host sync); on CPU xgrammar's C++ kernel
+row by row, measured 45x faster here (16 rows of 49,152: 66 us against 3.0 ms for the reference).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
 
 from engine.structured.protocol import MatcherProtocol
 
@@ -26,8 +29,9 @@ NEG_INF = float("-inf")
 
 @dataclass(slots=True)
 class GrammarMask:
-    rows: torch.Tensor  # [R] int64, the constrained logits rows
+    rows: torch.Tensor  # [R] int64, the constrained logits rows, on the logits' device
     bitmask: torch.Tensor  # [R, ceil(V / 32)] int32, on the logits' device
+    row_ids: list[int]  # ``rows`` on the host (the CPU kernel walks them)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -53,7 +57,7 @@ def build_grammar_mask(entries: Sequence[tuple[MatcherProtocol, Sequence[int]]],
     for matcher, drafts, first in constrained:
         matcher.fill(bitmask, first, drafts)
     return GrammarMask(torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-                       bitmask.to(device, non_blocking=True))
+                       bitmask.to(device, non_blocking=True), rows)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -64,5 +68,15 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """logits [B, V] fp32, in place: tokens a constrained row does not admit become -inf."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        apply_token_bitmask_ref(logits, mask)
+        return
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(mask.row_ids):
+        apply_token_bitmask_inplace_cpu(logits[row], mask.bitmask[i], vocab_size=vocab_size)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """``apply_token_bitmask`` in torch ops, on any device."""
     allowed = unpack_bitmask(mask.bitmask, logits.shape[1])
     logits[mask.rows] = logits[mask.rows].masked_fill(~allowed, NEG_INF)

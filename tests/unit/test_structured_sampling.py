@@ -11,7 +11,13 @@ from engine.sampling.metadata import SamplingMetadata, takes_argmax
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.verify import verify_drafts
-from engine.structured.bitmask import apply_token_bitmask, bitmask_width, build_grammar_mask, unpack_bitmask
+from engine.structured.bitmask import (
+    apply_token_bitmask,
+    apply_token_bitmask_ref,
+    bitmask_width,
+    build_grammar_mask,
+    unpack_bitmask,
+)
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.protocol import NO_MATCHER
 
@@ -69,8 +75,11 @@ def test_unpack_and_apply_match_the_reference():
     mask = build_grammar_mask([(FakeMatcher([set(allowed[0].nonzero().flatten().tolist())]), ()), (NO_MATCHER, ()),
                                (FakeMatcher([set(allowed[1].nonzero().flatten().tolist())]), ()), (NO_MATCHER, ()),
                                (FakeMatcher([set(allowed[2].nonzero().flatten().tolist())]), ())], V)
-    assert mask is not None and mask.rows.tolist() == rows
-    apply_token_bitmask(logits, mask)
+    assert mask is not None and mask.rows.tolist() == mask.row_ids == rows
+    reference = logits.clone()
+    apply_token_bitmask_ref(reference, mask)
+    assert torch.equal(reference, expected)
+    apply_token_bitmask(logits, mask)  # the CPU kernel
     assert torch.equal(logits, expected)
 
 
