@@ -23,6 +23,7 @@ from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import build_spec_decoder
 from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
+from engine.structured.compiler import ConstraintCompiler
 
 
 class EngineCore:
@@ -47,6 +48,9 @@ class EngineCore:
                                          config.scheduler.max_num_batched_tokens, lower_tier)
         self.spec = build_spec_decoder(config.spec, self.runner, config.cache)
         self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
+        # structured outputs: thread-safe, so services may compile on their own threads first
+        self.constraints = ConstraintCompiler(self.tokenizer, loaded.config.vocab_size,
+                                              loaded.config.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
                                    config.cache.block_size, config.cache.enable_prefix_caching,
                                    self.host_tier)
@@ -69,6 +73,7 @@ class EngineCore:
             self._validate_resumed(list(resumed_output_token_ids), params)
         if request_id in self._samples:
             raise ValueError(f"request id {request_id!r} is already in use")
+        constraint = self.constraints.compile(params.structured_outputs)  # StructuredOutputError
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         requests = []
         for index, sample_id in enumerate(sample_ids):
@@ -79,7 +84,8 @@ class EngineCore:
                 generator = torch.Generator(device=self.runner.device)
             requests.append(Request(
                 sample_id, prompt_token_ids, sample_params, self.model_config.eos_token_ids,
-                generator, parent_id=request_id if params.n > 1 else None, index=index))
+                generator, parent_id=request_id if params.n > 1 else None, index=index,
+                matcher=constraint.matcher(sample_params, self.model_config.eos_token_ids, sample_id)))
         requests[0].output_token_ids.extend(resumed_output_token_ids)
         self.scheduler.add_request(requests[0])
         for request in requests[1:]:
@@ -188,8 +194,9 @@ class EngineCore:
         if params.n != 1:
             raise ValueError("a disaggregated request carries one sample (n=1) per decode request")
         generator = torch.Generator(device=self.runner.device) if params.seed is not None else None
+        constraint = self.constraints.compile(params.structured_outputs)  # StructuredOutputError
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
-                          generator)
+                          generator, matcher=constraint.matcher(params, self.model_config.eos_token_ids, request_id))
         block_ids = self.scheduler.reserve_remote(request)
         self.host_tier.flush()  # copy down early what the next allocations will evict
         if block_ids is None:
@@ -289,6 +296,7 @@ class EngineCore:
         """Finish the block copies in flight and stop the copier thread (idempotent); the engine
         is not stepped afterwards."""
         self.host_tier.close()
+        self.constraints.close()
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the block pool, the block tables or the host tier are inconsistent."""

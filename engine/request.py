@@ -13,12 +13,15 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.structured.protocol import NO_MATCHER
+
 if TYPE_CHECKING:
     import torch
 
     from engine.kv_cache.hashing import BlockHash
     from engine.sampling.logprobs import PositionLogprobs
     from engine.sampling_params import SamplingParams
+    from engine.structured.protocol import MatcherProtocol
 
 
 class RequestStatus(enum.Enum):
@@ -82,7 +85,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_time", "generator",
         "block_hashes", "spec_token_ids", "stop_reason", "eos_token_ids", "priority",
-        "num_preemptions", "parent_id", "error", "index", "prompt_logprobs",
+        "num_preemptions", "parent_id", "error", "index", "prompt_logprobs", "matcher",
     )
 
     def __init__(
@@ -96,7 +99,11 @@ class Request:
         priority: int = 0,
         parent_id: str | None = None,
         index: int = 0,
+        matcher: MatcherProtocol = NO_MATCHER,
     ) -> None:
+        """``matcher``: its structured-output constraint's (``engine/structured/``; one per
+        sample), synced with ``output_token_ids`` wherever they are read for sampling, so it
+        follows preemption, resumption and a prefill worker's first token by itself."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -117,6 +124,7 @@ class Request:
         self.error: str | None = None
         # accumulated over prefill chunks; None at position 0
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.matcher = matcher
 
     @property
     def num_prompt_tokens(self) -> int:

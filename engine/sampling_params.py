@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from engine.structured.params import StructuredOutputsParams
+
 MAX_N = 16  # most parallel samples per request
 MAX_LOGPROBS = 20  # most top-N logprobs per position (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -35,6 +37,8 @@ class SamplingParams:
     tokenizes them once with ``with_bad_words_tokenized`` into ``bad_words_token_ids``.
     ``cache_salt`` (vLLM / OpenAI's field) goes into every block hash of the request, so requests
     with different salts (tenants) never share cached KV; None shares with every unsalted request.
+    ``structured_outputs`` constrains the output to a JSON schema, any JSON object, a regex, one
+    of some strings, or a grammar (``engine/structured/params.py``; a dict is read as its fields).
     """
 
     n: int = 1
@@ -61,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs_mode: str = "processed"
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise the shapes JSON and users hand us; values are checked in validate().
@@ -78,6 +83,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, list):
                 set_(self, name, list(value))
+        if self.structured_outputs is not None:
+            set_(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
         if self.logit_bias is not None:  # JSON object keys arrive as strings
             set_(self, "logit_bias", {_int_key(k): v for k, v in dict(self.logit_bias).items()})
 
@@ -206,6 +213,9 @@ class SamplingParams:
             if len(self.cache_salt) > MAX_CACHE_SALT_LEN:
                 _fail("cache_salt", f"<{len(self.cache_salt)} characters>",
                       f"must be at most {MAX_CACHE_SALT_LEN} characters")
+
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()  # StructuredOutputError (a ValueError) naming its field
 
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str) or not stop:

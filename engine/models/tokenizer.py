@@ -131,6 +131,12 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The HF ``tokenizers.Tokenizer`` underneath (a grammar engine builds its vocabulary
+        from it: ``engine/structured/``). Read it; do not change it."""
+        return self._backend
+
+    @property
     def bos_token_id(self) -> int | None:
         return None if self._bos_token is None else self._backend.token_to_id(self._bos_token)
 

@@ -29,6 +29,7 @@ from engine.sampling.metadata import SamplingMetadata, takes_argmax
 from engine.sampling.sampler import Sampler, argmax_rows
 from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.verify import verify_drafts
+from engine.structured.bitmask import build_grammar_mask
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from kernels.calibration import ModelDims
 from kernels.ops import Ops, compiled_ops, get_ops, select_backend
@@ -174,6 +175,11 @@ class ModelRunner:
                 for request, token_id in zip(requests, token_ids):
                     out.sampled[request.request_id] = [token_id]
                 return
+        # structured outputs: each matcher catches up on the request's tokens, then fills its
+        # row of the grammar mask on the CPU (on CUDA the forward is still running)
+        for request in requests:
+            request.matcher.sync(request.output_token_ids)
+        grammar_mask = build_grammar_mask([(r.matcher, ()) for r in requests], self.vocab_size, self.device)
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r in requests],
             [r.output_token_ids for r in requests],
@@ -181,7 +187,8 @@ class ModelRunner:
             [r.generator for r in requests],
             self.vocab_size, self.device,
             eos_token_ids=self.eos_token_ids,
-            request_ids=[r.request_id for r in requests])
+            request_ids=[r.request_id for r in requests],
+            grammar_mask=grammar_mask)
         sampler_out = self.sampler(row_logits, metadata)
         token_ids = sampler_out.sampled_token_ids.tolist()
         logprobs = (sampler_out.logprobs.tolists(metadata.num_logprobs)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import GrammarMask
 
 _MASK64 = (1 << 64) - 1
 _NO_TRUNCATION = SamplingParams()  # stands in for greedy rows' top-k/top-p/min-p
@@ -58,6 +59,7 @@ class SamplingMetadata:
     ban_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], token ids [M]) int64
     allowed_rows: torch.Tensor | None  # [A] int64
     allowed_mask: torch.Tensor | None  # [A, V] bool: True = may be sampled
+    grammar_mask: GrammarMask | None  # the structured-output rows' token bitmask (engine/structured/)
     # Randomness and logprobs.
     generators: list[torch.Generator | None]  # [B]; None = the Sampler's shared generator
     num_logprobs: list[int | None]  # [B]; requested top-N per row
@@ -77,7 +79,8 @@ class SamplingMetadata:
     def modifies_logits(self) -> bool:
         """Whether processing changes the logits at all (else the sampler skips copying them)."""
         return not (self.all_greedy and self.no_penalties and self.bias_index is None
-                    and self.ban_index is None and self.allowed_rows is None)
+                    and self.ban_index is None and self.allowed_rows is None
+                    and self.grammar_mask is None)
 
     @classmethod
     def from_requests(
@@ -91,10 +94,12 @@ class SamplingMetadata:
         *,
         eos_token_ids: Sequence[int] = (),
         request_ids: Sequence[str] | None = None,
+        grammar_mask: GrammarMask | None = None,
     ) -> SamplingMetadata:
         """Build the batch's metadata. ``params`` must already be validated against
         ``vocab_size``; ``generators[i]`` (on ``device``) is reused for a seeded row, or one is
-        created; it is re-seeded here either way."""
+        created; it is re-seeded here either way. ``grammar_mask``: the constrained rows'
+        bitmask (``engine.structured.bitmask.build_grammar_mask``), None when no row has one."""
         params = list(params)
         num_rows = len(params)
         ids = [str(i) for i in range(num_rows)] if request_ids is None else list(request_ids)
@@ -154,6 +159,7 @@ class SamplingMetadata:
             if ban_rows else None,
             allowed_rows=tensor(allowed_rows, torch.int64) if allowed_rows else None,
             allowed_mask=allowed_mask,
+            grammar_mask=grammar_mask,
             generators=seeded_generators,
             num_logprobs=num_logprobs,
             max_num_logprobs=max((n for n, _ in wanted), default=None),
@@ -191,10 +197,11 @@ def _on(device: torch.device | str) -> Callable[[Sequence[object], torch.dtype],
 def takes_argmax(p: SamplingParams, output: Sequence[int], eos_token_ids: Sequence[int]) -> bool:
     """Whether a row's sample is the argmax of its raw logits and nothing else is asked of them:
     greedy, no logprobs, and no processor that would change them now (penalties, logit_bias,
-    allowed_token_ids, a banned token). A batch of such rows needs no metadata (the sampler's
-    result would be ``row_argmax`` of the logits)."""
+    allowed_token_ids, a structured-output constraint, a banned token). A batch of such rows
+    needs no metadata (the sampler's result would be ``row_argmax`` of the logits)."""
     return (p.is_greedy and p.logprobs is None and not p.has_penalties and not p.logit_bias
-            and p.allowed_token_ids is None and not _banned_token_ids(p, output, eos_token_ids))
+            and p.allowed_token_ids is None and p.structured_outputs is None
+            and not _banned_token_ids(p, output, eos_token_ids))
 
 
 def _banned_token_ids(p: SamplingParams, output: Sequence[int],

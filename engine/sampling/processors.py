@@ -4,7 +4,8 @@
                     negative ones multiplied, as in HF/vLLM), then frequency (minus penalty x
                     count) and presence (minus penalty if present) over output tokens (OpenAI)
     2. masks        logit_bias added; everything outside allowed_token_ids, bad words' final
-                    tokens and (before min_tokens) the stop tokens set to -inf
+                    tokens, (before min_tokens) the stop tokens and, on structured-output
+                    rows, every token the grammar does not admit now set to -inf
        -- support check: a row with nothing left to sample raises ValueError --
     3. temperature  divide by T (greedy rows carry T = 1)
     4. truncation   top-k, then top-p on the renormalised top-k distribution, then min-p
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling.metadata import SamplingMetadata
+from engine.structured.bitmask import apply_token_bitmask
 
 NEG_INF = float("-inf")
 
@@ -63,6 +65,8 @@ def apply_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         logits[m.allowed_rows] = rows.masked_fill(~m.allowed_mask, NEG_INF)
     if m.ban_index is not None:
         logits[m.ban_index] = NEG_INF
+    if m.grammar_mask is not None:
+        apply_token_bitmask(logits, m.grammar_mask)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> None:
@@ -117,5 +121,7 @@ def check_support(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
                       f"{p.stop_token_ids} are banned until then)")
     if p.logit_bias:
         causes.append("logit_bias")
+    if p.structured_outputs is not None:
+        causes.append(f"{p.structured_outputs.field_name} (the constraint admits no token here)")
     raise ValueError(f"request {request_id}: no token can be sampled; every token is masked by "
                      f"{', '.join(causes) or 'the model logits (all -inf)'}")

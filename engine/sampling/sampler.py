@@ -5,6 +5,12 @@ independent, argmax_i p_i / q_i is distributed exactly as Categorical(p) (q_i / 
 Exp(p_i), and the smallest of independent exponentials is i with probability p_i / sum p).
 It needs no cumulative sum and no sync, and each seeded row draws its q from its own
 generator, so its token does not depend on the other rows of the batch.
+
+Structured outputs: a constrained row's grammar mask is part of the mask stage
+(``processors.py``). Logprobs follow vLLM V1, whose model runner applies the grammar bitmask to
+the logits before its sampler sees them: both 'processed' and 'raw' logprobs of a constrained
+row are taken after the grammar mask (tokens the grammar forbids have logprob -inf, the rest
+renormalised), and 'raw' is before every other processor.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from engine.sampling.logprobs import LogprobsTensors, gather_logprobs
 from engine.sampling.metadata import SamplingMetadata
 from engine.sampling.processors import process_logits
+from engine.structured.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -107,7 +114,11 @@ def _logprobs(raw_logits: torch.Tensor, processed: torch.Tensor, sampled: torch.
     if metadata.needs_processed_logprobs:
         logprobs = processed.log_softmax(dim=-1)
     if metadata.raw_logprobs_rows is not None:
-        raw = raw_logits.to(torch.float32).log_softmax(dim=-1)
+        raw = raw_logits.to(torch.float32)
+        if metadata.grammar_mask is not None:
+            raw = raw.clone() if raw is raw_logits else raw
+            apply_token_bitmask(raw, metadata.grammar_mask)
+        raw = raw.log_softmax(dim=-1)
         logprobs = raw if logprobs is None else torch.where(
             metadata.raw_logprobs_rows.unsqueeze(1), raw, logprobs)
     assert logprobs is not None  # each asking row is 'processed' or 'raw'

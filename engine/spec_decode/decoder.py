@@ -93,8 +93,10 @@ class SpecDecoder:
             if k <= 0:
                 continue
             if self.drafter is None:
-                request.spec_token_ids = propose_ngram(request.all_token_ids, k,
-                                                       self.config.ngram_min, self.config.ngram_max)
+                drafts = propose_ngram(request.all_token_ids, k, self.config.ngram_min, self.config.ngram_max)
+                # structured outputs: drafts end before the first one the grammar refuses
+                request.matcher.sync(request.output_token_ids)
+                request.spec_token_ids = drafts[:request.matcher.num_valid(drafts)]
             else:
                 request.spec_token_ids = [PLACEHOLDER_TOKEN] * k
 
@@ -114,9 +116,13 @@ class SpecDecoder:
         if not drafted or self.drafter is None:
             return draft_probs
         for request, proposal in zip(drafted, self.drafter.draft(drafted, ks, block_ids)):
-            request.spec_token_ids = proposal.draft_token_ids
-            sched.num_scheduled_tokens[request.request_id] = 1 + len(proposal.draft_token_ids)
-            draft_probs[request.request_id] = proposal.draft_probs
+            # structured outputs: drafts end before the first one the grammar refuses
+            request.matcher.sync(request.output_token_ids)
+            num_valid = request.matcher.num_valid(proposal.draft_token_ids)
+            request.spec_token_ids = proposal.draft_token_ids[:num_valid]
+            sched.num_scheduled_tokens[request.request_id] = 1 + num_valid
+            probs = proposal.draft_probs
+            draft_probs[request.request_id] = None if probs is None else probs[:num_valid]
         return draft_probs
 
     def record(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:

@@ -9,6 +9,7 @@ from engine.sampling.metadata import SamplingMetadata, step_seed
 from engine.sampling.sampler import compute_probs
 from engine.spec_decode.proposer import Proposal, pack_proposals
 from engine.spec_decode.rejection_sampler import rejection_sample
+from engine.structured.bitmask import build_grammar_mask
 
 
 def verify_drafts(logits: torch.Tensor, requests: list[Request],
@@ -19,7 +20,15 @@ def verify_drafts(logits: torch.Tensor, requests: list[Request],
     Returns, per request, the accepted drafts followed by one recovered or bonus token. The
     target distribution of each row is processed exactly as normal sampling would process it
     at that position (penalties see the drafts before it), so the output is distributed as
-    sampling from the target one token at a time."""
+    sampling from the target one token at a time.
+
+    Structured outputs: every row of a constrained request is masked by its grammar at that
+    position (after the drafts before it), so an accepted draft, a recovered and a bonus token
+    always obey, and greedy verification emits exactly what greedy decoding would. A draft the
+    grammar refuses has target probability 0 and is rejected."""
+    for r in requests:
+        r.matcher.sync(r.output_token_ids)
+    grammar_mask = build_grammar_mask([(r.matcher, r.spec_token_ids) for r in requests], vocab_size, device)
     params, outputs, prompts, ids = [], [], [], []
     for r in requests:
         for j in range(len(r.spec_token_ids) + 1):
@@ -29,7 +38,7 @@ def verify_drafts(logits: torch.Tensor, requests: list[Request],
             ids.append(r.request_id)
     metadata = SamplingMetadata.from_requests(
         params, outputs, prompts, None, vocab_size, device,
-        eos_token_ids=requests[0].eos_token_ids, request_ids=ids)
+        eos_token_ids=requests[0].eos_token_ids, request_ids=ids, grammar_mask=grammar_mask)
     target_probs = compute_probs(logits, metadata)  # [sum(k_i + 1), V]; greedy rows one-hot
     draft_ids, num_drafts, q = pack_proposals(
         [Proposal(r.spec_token_ids, draft_probs.get(r.request_id)) for r in requests],

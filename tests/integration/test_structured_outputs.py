@@ -1,0 +1,201 @@
+"""Structured outputs through the offline engine (the default model, CPU): every output obeys
+its constraint, at temperature 0 and 1, in mixed batches, with n > 1, through preemption,
+resumption and n-gram speculation (greedy output identical), and bad input leaves nothing held.
+
+Compiled grammars are shared: one LLM per module, so each schema compiles once
+(``llm.engine.constraints.stats``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import LLM
+from engine.sampling_params import SamplingParams
+from engine.structured.errors import StructuredOutputError
+
+S = {"type": "string", "maxLength": 12}
+INT = {"type": "integer", "minimum": 0, "maximum": 999}
+
+
+def obj(**properties) -> dict:
+    """An object schema that requires every property it lists."""
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def pattern(regex: str) -> dict:
+    return {"type": "string", "pattern": regex}
+
+
+def fmt(name: str) -> dict:
+    return {"type": "string", "format": name}
+
+
+def array(items: dict, lo: int, hi: int) -> dict:
+    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
+
+
+SCHEMAS = [
+    obj(name=S, age=INT),
+    {**obj(city=S, population={"type": "integer", "minimum": 1000, "maximum": 99999}), "additionalProperties": False},
+    obj(user=obj(id=INT, email=pattern("^[a-z]{1,8}@[a-z]{1,8}\\.com$"))),
+    obj(tags=array(S, 1, 3)),
+    obj(scores=array(INT, 2, 4)),
+    obj(color={"enum": ["red", "green", "blue"]}),
+    obj(status={"type": "string", "enum": ["active", "inactive", "banned"]},
+        level={"type": "integer", "enum": [1, 2, 3]}),
+    {"anyOf": [obj(kind={"const": "circle"}, r=INT), obj(kind={"const": "square"}, side=INT)]},
+    obj(value={"anyOf": [INT, {"type": "null"}, {"type": "boolean"}]}),
+    obj(code=pattern("^[A-Z]{3}-[0-9]{3}$")),
+    obj(zip=pattern("^[0-9]{5}$"), state=pattern("^[A-Z]{2}$")),
+    obj(date=fmt("date")),
+    obj(id=fmt("uuid")),
+    obj(ip=fmt("ipv4")),
+    obj(price={"type": "number", "minimum": 0, "maximum": 100},
+        qty={"type": "integer", "exclusiveMinimum": 0, "maximum": 10}),
+    obj(temp={"type": "number", "minimum": -50, "maximum": 50}),
+    obj(items=array(obj(sku=S, n=INT), 1, 2)),
+    obj(a=obj(b=obj(c=INT))),
+    array({"type": "boolean"}, 2, 3),
+    obj(ok={"type": "boolean"}, note={"type": ["string", "null"], "maxLength": 10}),
+    obj(title={"type": "string", "minLength": 2, "maxLength": 8},
+        year={"type": "integer", "minimum": 1900, "maximum": 2100}),
+]
+PROMPT = "Answer in JSON. Describe something."
+MAX_TOKENS = 80
+
+
+def json_params(schema, **kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", MAX_TOKENS)
+    return SamplingParams(structured_outputs={"json": schema, "field": "response_format.json_schema"}, **kwargs)
+
+
+def check_json(output, schema):
+    assert output.finish_reason == "stop", (output.text, output.finish_reason)
+    jsonschema.validate(json.loads(output.text), schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    return LLM(loaded_model, max_model_len=512, num_kv_blocks=256)
+
+
+def test_at_least_20_schemas_are_distinct_and_cover_the_keywords():
+    assert len(SCHEMAS) >= 20
+    text = json.dumps(SCHEMAS)
+    for keyword in ("anyOf", "enum", "pattern", "format", "minItems", "maxItems", "minimum", "maximum"):
+        assert keyword in text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_json_schema_output_validates(llm, temperature):
+    params = [json_params(s, temperature=temperature, seed=11 + i) for i, s in enumerate(SCHEMAS)]
+    outputs = llm.generate([PROMPT] * len(SCHEMAS), params)
+    for out, schema in zip(outputs, SCHEMAS):
+        check_json(out.outputs[0], schema)
+    stats = llm.engine.constraints.stats
+    assert stats.num_compiled <= len(SCHEMAS) + 8  # the second temperature reuses the grammars
+    llm.engine.check_integrity()
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    grammar = 'root ::= "(" num (op num)* ")"\nnum ::= [1-9] [0-9]?\nop ::= " + " | " - "'
+    constraints = [{"json_object": True}, {"regex": r"[0-9]{3}-[0-9]{4}"}, {"choice": ["cat", "dog", "bird"]},
+                   {"grammar": grammar}]
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=m, structured_outputs=c)
+              for t, m, c in zip((0, 1, 1, 0), (60, 20, 10, 30), constraints)]
+    prompts = ["Write JSON about a cat.", "Phone number:", "Best pet:", "Sum:"]
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert all(o.finish_reason == "stop" for o in outputs), [(o.text, o.finish_reason) for o in outputs]
+    assert isinstance(json.loads(outputs[0].text), dict)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outputs[1].text)
+    assert outputs[2].text in ("cat", "dog", "bird")
+    assert re.fullmatch(r"\([1-9][0-9]?( [+-] [1-9][0-9]?)*\)", outputs[3].text)
+
+
+def test_mixed_batch_leaves_unconstrained_requests_as_they_were(llm):
+    free = SamplingParams(temperature=0, max_tokens=12)
+    alone = llm.generate("The capital of France is", free)[0].token_ids
+    params = [free, json_params(SCHEMAS[0], temperature=0), free, json_params(SCHEMAS[5], temperature=1, seed=2)]
+    outputs = llm.generate(["The capital of France is", PROMPT, "The capital of France is", PROMPT], params)
+    assert outputs[0].token_ids == alone and outputs[2].token_ids == alone
+    check_json(outputs[1].outputs[0], SCHEMAS[0])
+    check_json(outputs[3].outputs[0], SCHEMAS[5])
+
+
+def test_n_samples_each_obey_their_own_matcher(llm):
+    (out,) = llm.generate(PROMPT, json_params(SCHEMAS[3], n=4, temperature=1.0, seed=7))
+    assert len(out.outputs) == 4
+    for sample in out.outputs:
+        check_json(sample, SCHEMAS[3])
+    assert len({s.text for s in out.outputs}) > 1
+
+
+def test_a_constraint_that_cannot_finish_ends_with_length(llm):
+    (out,) = llm.generate(PROMPT, json_params(SCHEMAS[16], temperature=0, max_tokens=4))
+    assert out.outputs[0].finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_a_resumed_request_replays_its_tokens_into_the_matcher(llm):
+    """A migration (or a decode worker after the prefill worker's first token): the matcher is
+    rebuilt from the tokens so far, and greedy output continues exactly."""
+    params = json_params(SCHEMAS[16], temperature=0)
+    (full,) = llm.generate(PROMPT, params)
+    prompt = llm.tokenizer.encode(PROMPT)
+    for cut in (1, len(full.token_ids) // 2):
+        core = llm.engine
+        core.add_request("resumed", prompt, params, resumed_output_token_ids=full.token_ids[:cut])
+        rest = []
+        while core.has_unfinished_requests():
+            for out in core.step():
+                rest += out.new_token_ids
+        assert full.token_ids[:cut] + rest == full.token_ids
+
+
+def test_preemption_gives_identical_greedy_constrained_output(loaded_model, llm):
+    # 5 blocks of 16 tokens: each request fits alone (prompt + 48 <= 64 tokens), 6 do not
+    params = [json_params(s, temperature=0, max_tokens=48) for s in SCHEMAS[:6]]
+    expected = [o.token_ids for o in llm.generate([PROMPT] * 6, params)]
+    small = LLM(loaded_model, block_size=16, num_kv_blocks=5, max_num_batched_tokens=64)
+    outputs = small.generate([PROMPT] * 6, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == expected
+    small.engine.check_integrity()
+
+
+def test_ngram_speculation_gives_identical_greedy_constrained_output(loaded_model, llm):
+    schemas = [SCHEMAS[16], SCHEMAS[4], SCHEMAS[18], SCHEMAS[0]]
+    params = [json_params(s, temperature=0) for s in schemas]
+    prompt = 'Repeat: {"items": [{"sku": "a1", "n": 1}, {"sku": "a1", "n": 1}]} {"scores": [1, 1, 1]}'
+    expected = [o.token_ids for o in llm.generate([prompt] * 4, params)]
+    spec = LLM(loaded_model, max_model_len=512, num_kv_blocks=256, spec_method="ngram", spec_k=4, spec_max_batch=32)
+    outputs = spec.generate([prompt] * 4, params)
+    assert [o.token_ids for o in outputs] == expected
+    stats = spec.engine.spec_stats()
+    assert stats["num_spec_steps"] > 0 and sum(stats["num_accepted_per_position"]) > 0
+    for out, schema in zip(outputs, schemas):
+        check_json(out.outputs[0], schema)
+    spec.engine.check_integrity()
+
+
+@pytest.mark.parametrize("constraint, field, words", [
+    ({"json": {"type": "object", "properties": {"a": {"type": 7}}}, "field": "response_format.json_schema"},
+     "response_format.json_schema", "does not compile"),
+    ({"json": {"type": "object", "not": {"required": ["a"]}}, "field": "tools[0].function.parameters"},
+     "tools[0].function.parameters", "unsupported schema keyword"),
+    ({"json": "{\"type\": ", "field": "response_format.json_schema"}, "response_format.json_schema", "not valid JSON"),
+    ({"regex": "[0-9", "field": "structured_outputs.regex"}, "structured_outputs.regex", "does not compile"),
+    ({"grammar": "root ::= nothing_defined"}, "structured_outputs.grammar", "does not compile"),
+])
+def test_bad_input_raises_naming_the_field_and_holds_nothing(llm, constraint, field, words):
+    core = llm.engine
+    free_before = core.block_pool.num_free_blocks
+    with pytest.raises(StructuredOutputError, match=words) as info:
+        llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4), SamplingParams(structured_outputs=constraint)])
+    assert info.value.field == field
+    assert not core.has_unfinished_requests()
+    assert core.block_pool.num_free_blocks == free_before
+    core.check_integrity()
