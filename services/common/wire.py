@@ -103,10 +103,12 @@ def shortest_float32(value: float) -> float:
 # ---- sampling params -----------------------------------------------------------------------
 
 def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
-    """Every field the engine uses; ``logprobs_mode`` other than 'processed' is not on the
-    wire yet (ValueError rather than a silent change)."""
+    """Every field the engine uses; ``logprobs_mode`` other than 'processed' and a structured
+    output constraint are not on the wire yet (ValueError rather than a silent change)."""
     if params.logprobs_mode != "processed":
         raise ValueError(f"logprobs_mode={params.logprobs_mode!r} cannot be sent to a worker yet")
+    if params.structured_outputs is not None:
+        raise ValueError("structured_outputs cannot be sent to a worker yet (the constraint would be dropped)")
     msg = generate_pb2.SamplingParams(
         n=params.n, min_tokens=params.min_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),

@@ -66,3 +66,13 @@ def test_supported_schemas_pass_the_keyword_check():
                              "c": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "null"}]}},
               "required": ["a"]}
     assert unsupported_keyword(schema) is None
+
+
+def test_the_wire_refuses_a_constraint_it_cannot_carry_yet():
+    from engine.sampling_params import SamplingParams
+    from services.common.wire import params_to_proto
+
+    constrained = SamplingParams(structured_outputs={"regex": "[ab]+"})
+    with pytest.raises(ValueError, match="structured_outputs cannot be sent to a worker yet"):
+        params_to_proto(constrained)
+    assert params_to_proto(SamplingParams(max_tokens=3)).max_tokens == 3
