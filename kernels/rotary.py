@@ -100,6 +100,18 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
+def token_cos_sin(positions_ptr, cos_sin_ptr, token, half, stride_cache,  # type: ignore[no-untyped-def]  # JIT
+                  BLOCK_HALF: tl.constexpr):
+    """The cos and sin halves [1, BLOCK_HALF] of ``token``'s position (masked past ``half``)."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_mask = dims < half
+    cos = tl.load(cos_sin_ptr + pos * stride_cache + dims, mask=cs_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cache + half + dims, mask=cs_mask, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def rotate_heads(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
     x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
@@ -122,11 +134,7 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_trit
 ):
     # One program per token: all its q heads and k heads share one cos/sin row.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    cs_mask = dims < half
-    cos = tl.load(cos_sin_ptr + pos * stride_cache + dims, mask=cs_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cache + half + dims, mask=cs_mask, other=0.0)
+    cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, token, half, stride_cache, BLOCK_HALF)
     rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
     rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half, BLOCK_HK,
                   BLOCK_HALF)

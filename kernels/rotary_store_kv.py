@@ -13,7 +13,7 @@ import torch
 
 from kernels._triton import check_launchable, tl, triton
 from kernels.kv_quant import QUANT_DTYPES
-from kernels.rotary import check_rotary_args, rotary, rotary_ref, rotate_heads
+from kernels.rotary import check_rotary_args, rotary, rotary_ref, rotate_heads, token_cos_sin
 from kernels.store_kv import bf16_bits, check_store_kv_args, store_kv, store_kv_ref
 
 
@@ -35,11 +35,9 @@ def _rotary_store_kv_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kern
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BF16_BITS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, token, half, stride_cache, BLOCK_HALF)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cs_mask = dims < half
-    cos = tl.load(cos_sin_ptr + pos * stride_cache + dims, mask=cs_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cache + half + dims, mask=cs_mask, other=0.0)
     rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
