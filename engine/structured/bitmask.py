@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
 
 from engine.structured.protocol import MatcherProtocol
 
@@ -71,6 +70,10 @@ def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask) -> None:
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
         apply_token_bitmask_ref(logits, mask)
         return
+    # imported here, not at module load: every engine imports this module, and xgrammar's import
+    # costs ~0.7 s per process, which only processes serving a constrained request should pay
+    from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
+
     vocab_size = logits.shape[1]
     for i, row in enumerate(mask.row_ids):
         apply_token_bitmask_inplace_cpu(logits[row], mask.bitmask[i], vocab_size=vocab_size)
