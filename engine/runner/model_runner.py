@@ -104,7 +104,7 @@ class ModelRunner:
                               config.model.max_model_len, self.block_size, CudaGraphCapture())
         seconds = graphs.capture_all()
         log.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1f s",
-                    len(graphs.sizes), graphs.sizes[-1], seconds)
+                 len(graphs.sizes), graphs.sizes[-1], seconds)
         return graphs
 
     @property
