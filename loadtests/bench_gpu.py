@@ -261,7 +261,9 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
     row: dict[str, Any] = dict(stage="speed", model=name, weight_gb=round(weight_bytes(name) / 1e9, 3),
                                bound_b1_tok_s=round(bound, 1))
     try:
+        started = time.perf_counter()
         llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
+        row["engine_start_s"] = round(time.perf_counter() - started, 1)
         generate_seconds(llm, prompts(tokenizer, 128, 4, offset=999), 8)
         one = prompts(tokenizer, 128, 1, offset=7)
         b1 = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
@@ -297,6 +299,42 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
     _free()
 
 
+def stage_profile(args: argparse.Namespace, log: Log) -> None:
+    """torch profiler over decode of the 1.7B shape at batch 1 and 64: GPU busy share and the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+    from engine.models.loader import load_tokenizer
+
+    directory = make_model(args.models_dir, args.tokenizer_dir, "smol1b7", torch.bfloat16, log)
+    tokenizer = load_tokenizer(str(directory))
+    llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
+    new_tokens = 33
+    report = []
+    for batch_size in (1, 64):
+        batch = prompts(tokenizer, 128, batch_size, offset=7)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        llm.generate(batch, params)
+        sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            llm.generate(batch, params)
+            sync()
+            wall = time.perf_counter() - started
+        events = prof.key_averages()
+        busy_us = sum(e.self_device_time_total for e in events)
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+        log(stage="profile", batch=batch_size, wall_ms=round(wall * 1e3, 1), gpu_busy_ms=round(busy_us / 1e3, 1),
+            busy_share=round(busy_us / 1e6 / wall, 3), kernels_per_token=round(kernels / new_tokens, 1))
+        report.append(f"## batch {batch_size}: wall {wall * 1e3:.1f} ms for {new_tokens} tokens\n")
+        report.append(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+        report.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    (args.out / "profile.txt").write_text("\n".join(report))
+    del llm
+    _free()
+
+
 def _free() -> None:
     """Give the last engine's memory back (its KV cache takes most of the GPU) before the next."""
     gc.collect()
@@ -313,7 +351,7 @@ def stage_tokenizer(args: argparse.Namespace, log: Log) -> None:
 
 STAGES = {"tokenizer": stage_tokenizer, "env": stage_env, "parity": stage_parity,
           "speed-smol": lambda a, log: stage_speed("smol135m", a, log),
-          "speed-1b7": lambda a, log: stage_speed("smol1b7", a, log)}
+          "speed-1b7": lambda a, log: stage_speed("smol1b7", a, log), "profile": stage_profile}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On a bare CUDA machine, from the checkout's root (after loadtests/gpu/prepare.sh, carrying .gpu/):
 # the native kernel tests, HF parity with graphs on and off, the offline speed table against HF and
-# the bandwidth bound, then `pdserve up --device cuda` under load against the offline engine. Results
-# under $OUT (raw JSON lines, pytest output, served-load tables). About 6 minutes on an H200.
-#   STAGES="env parity speed-smol speed-1b7" SERVE=1 bash loadtests/gpu/run.sh
+# the bandwidth bound, a decode profile, then `pdserve up --device cuda` under load against the
+# offline engine. Results under $OUT (raw JSON lines, pytest output, served-load tables).
+#   KERNEL_TESTS=1 STAGES="env parity speed-smol speed-1b7 profile" SERVE=1 bash loadtests/gpu/run.sh
+# Each part has its own time limit (T_TESTS, T_BENCH, T_SERVE seconds) so that one hung part
+# cannot take the others' results with it; DEADLINE (seconds from the start) gives the served
+# load what is left of it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_out} MODELS_DIR=${MODELS_DIR:-/tmp/pdserve-models}
 export PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL=1
@@ -13,14 +16,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 start=$(date +%s)
 elapsed() { echo "elapsed $(( $(date +%s) - start )) s"; }
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x --durations=10 tests/kernels tests/unit/test_cuda_graphs.py \
-  -k "not cpu_ and not calibration" > "$OUT/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest.txt"
-tail -15 "$OUT/pytest.txt"; elapsed
-timeout 300 python3 -m loadtests.bench_gpu ${STAGES:-env parity speed-smol speed-1b7} --tokenizer-dir .gpu/model \
-  --out "$OUT" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/bench_gpu.txt"; elapsed
-if [ "${SERVE:-1}" = 1 ]; then
+if [ "${KERNEL_TESTS:-1}" = 1 ]; then
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider $workers --durations=10 tests/kernels \
+    tests/unit/test_cuda_graphs.py -k "not cpu_ and not calibration" > "$OUT/pytest.txt" 2>&1
+  echo "pytest rc=$?" >> "$OUT/pytest.txt"
+  tail -25 "$OUT/pytest.txt"; elapsed
+fi
+if [ -n "${STAGES-env parity speed-smol speed-1b7}" ]; then
+  timeout "${T_BENCH:-300}" python3 -m loadtests.bench_gpu ${STAGES-env parity speed-smol speed-1b7} \
+    --tokenizer-dir .gpu/model --out "$OUT" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/bench_gpu.txt"
+  elapsed
+fi
+serve_s=${T_SERVE:-240}
+if [ -n "${DEADLINE:-}" ]; then serve_s=$(( DEADLINE - $(date +%s) + start )); fi
+if [ "${SERVE:-1}" = 1 ] && [ "$serve_s" -ge 90 ]; then
   model=$(ls -d "$MODELS_DIR"/smol1b7-bfloat16 2>/dev/null || ls -d "$MODELS_DIR"/smol135m-bfloat16)
-  timeout 240 python3 -m loadtests.bench_serve --model "$model" --device cuda --modes colocated,grpc \
+  timeout "$serve_s" python3 -m loadtests.bench_serve --model "$model" --device cuda --modes colocated,grpc \
     --load-concurrency 1,64 --load-requests 128 --load-prompt-len 128 --load-max-tokens 128 \
     --up-args "--kvstore-gib 0 --cpu-offload-gb 0" 2>&1 | tee "$OUT/bench_serve.txt"; elapsed
 fi
