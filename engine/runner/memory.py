@@ -3,6 +3,7 @@ activation peak of the largest step, measured by running one.
 
     budget = total * gpu_memory_utilization - peak
     peak   = torch's allocated bytes at the top of a dummy step of max_num_batched_tokens tokens
+             (in sequences of at most max_model_len)
              (the weights are allocated by then, so they are in it) whose logits are taken for
              max_num_seqs rows and soft-maxed (what a full decode batch samples from)
 
@@ -50,26 +51,37 @@ def kv_cache_budget(total_bytes: int, free_bytes: int, utilization: float, peak_
     return budget
 
 
+def dummy_step(num_tokens: int, max_model_len: int, block_size: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(tokens, positions, metadata) of a prefill step of ``num_tokens`` tokens that stores
+    nothing (every slot -1): sequences of at most ``max_model_len`` tokens, as the scheduler
+    would build it (a position past max_model_len would read past the rotary table), each
+    reading blocks 0.. of a cache of ``cdiv(min(num_tokens, max_model_len), block_size)`` blocks."""
+    longest = min(num_tokens, max_model_len)
+    lengths = [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
+    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
+    attn = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.arange(cdiv(longest, block_size), dtype=torch.int32).repeat(len(lengths), 1).to(device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu_seqlens.to(device), max_seqlen_q=longest)
+    return torch.zeros(num_tokens, dtype=torch.int64, device=device), positions.to(device), attn
+
+
 @torch.inference_mode()
 def profile_gpu_memory(model: LlamaForCausalLM, cache: CacheConfig, max_num_batched_tokens: int,
                        max_num_seqs: int) -> tuple[int, int]:
     """(peak, activation) bytes of the largest step, run on dummy tokens over a scratch cache
-    (one sequence of ``max_num_batched_tokens`` tokens; nothing is stored: slots are -1)."""
+    (``dummy_step``: nothing is stored)."""
     device = model.device
     num_tokens = max(max_num_batched_tokens, max_num_seqs)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device)
-    scratch = _scratch_cache(model.config, cache, cdiv(num_tokens, cache.block_size), device)
-    attn = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        max_seqlen_q=num_tokens)
-    tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    tokens, positions, attn = dummy_step(num_tokens, model.config.max_model_len, cache.block_size, device)
+    scratch = _scratch_cache(model.config, cache, attn.block_tables.shape[1], device)
     hidden = model.forward(tokens, positions, attn, scratch)
     torch.softmax(model.compute_logits(hidden[:max_num_seqs]), dim=-1)
     torch.cuda.synchronize(device)

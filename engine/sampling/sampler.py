@@ -65,9 +65,11 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     """[B, V] -> each row's ``row_argmax``, or None when some row has no finite maximum (the
     full sampler then raises, naming the request). What ``Sampler`` returns for rows that
-    ``metadata.takes_argmax``, without building their metadata."""
+    ``metadata.takes_argmax``, without building their metadata. One device-to-host copy: a
+    row without a finite maximum comes back as -1."""
     values, indices = logits.max(dim=-1)
-    return indices.tolist() if bool(torch.isfinite(values).all()) else None
+    tokens = torch.where(torch.isfinite(values), indices, -1).tolist()  # one device-to-host copy
+    return None if min(tokens, default=0) < 0 else tokens
 
 
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The Triton dequantize-in-kernel GEMV (kernels/quant_triton.py) under TRITON_INTERPRET=1 on
-small shapes, against dequantize-then-matmul in float64: Q8_0, Q4_0, Q4_1 and Q4_K, a partial
-last column tile and a K that is not a multiple of the kernel's K tile (Q4_K: 256 inputs per
+"""The Triton dequantize-in-kernel GEMV (kernels/quant_triton.py) natively on CUDA, or under
+TRITON_INTERPRET=1 on the CPU, on small shapes, against dequantize-then-matmul in float64:
+Q8_0, Q4_0, Q4_1 and Q4_K, a partial last column tile and a K that is not a multiple of the kernel's K tile (Q4_K: 256 inputs per
 block, so its K is 256 or 512). Tolerance atol=rtol=1e-4
 (weights of scale in^-0.5; only fp32 rounding of the sums differs)."""
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._triton import HAS_TRITON, is_interpreter
 from kernels.quant import BLOCK_VALUES, FORMATS, dequantize, quantize
+from tests.kernels.helpers import DEVICE, requires_triton
 
-pytestmark = pytest.mark.skipif(not (HAS_TRITON and is_interpreter()),
-                                reason="needs Triton and TRITON_INTERPRET=1 on CPU")
+pytestmark = requires_triton
 
 
 def _randn(*shape, seed=0):
@@ -29,7 +28,7 @@ def test_matches_dequantize_then_matmul(fmt, m, n, k):
         k = 256 * (k // 32 - 1)  # 96 -> 512, 64 -> 256
     rows = quantize(_randn(n, k, seed=1) * k ** -0.5, fmt)
     x = _randn(m, k)
-    y = quant_linear(x, pack(rows))
+    y = quant_linear(x.to(DEVICE), pack(rows, DEVICE)).cpu()
     expected = (x.double() @ dequantize(rows).double().t()).float()
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
 
@@ -37,8 +36,8 @@ def test_matches_dequantize_then_matmul(fmt, m, n, k):
 def test_bad_x_names_what_is_wrong():
     from kernels.quant_triton import pack, quant_linear
 
-    handle = pack(quantize(_randn(4, 64), "q4_1"))
+    handle = pack(quantize(_randn(4, 64), "q4_1"), DEVICE)
     with pytest.raises(ValueError, match="x has 32 features but the weight expects 64"):
-        quant_linear(_randn(1, 32), handle)
+        quant_linear(_randn(1, 32).to(DEVICE), handle)
     with pytest.raises(ValueError, match="x"):
-        quant_linear(_randn(1, 64).double(), handle)
+        quant_linear(_randn(1, 64).double().to(DEVICE), handle)

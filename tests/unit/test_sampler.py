@@ -377,3 +377,12 @@ def test_argmax_rows_is_the_samplers_greedy_result_and_defers_non_finite_rows():
                            (SamplingParams(temperature=0.0, min_tokens=4), [1])):
         assert not takes_argmax(params, output, eos_token_ids=[0]), params
     assert takes_argmax(SamplingParams(temperature=0.0, min_tokens=1), [1], eos_token_ids=[0])
+
+
+def test_argmax_rows_one_copy_and_none_for_a_row_without_a_finite_maximum():
+    from engine.sampling.sampler import argmax_rows
+
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, -1.0, float("-inf")]])
+    assert argmax_rows(logits) == [1, 0]
+    assert argmax_rows(torch.tensor([[0.0, 1.0], [float("nan"), float("nan")]])) is None
+    assert argmax_rows(torch.full((2, 3), float("-inf"))) is None
