@@ -1,7 +1,7 @@
 """The Triton dequantize-in-kernel GEMV (kernels/quant_triton.py) natively on CUDA, or under
 TRITON_INTERPRET=1 on the CPU, on small shapes, against dequantize-then-matmul in float64:
-Q8_0, Q4_0, Q4_1 and Q4_K, a partial last column tile and a K that is not a multiple of the kernel's K tile (Q4_K: 256 inputs per
-block, so its K is 256 or 512). Tolerance atol=rtol=1e-4
+Q8_0, Q4_0, Q4_1 and Q4_K, a partial last column tile and a K that is not a multiple of the
+kernel's K tile (Q4_K: 256 inputs per block, so its K is 256 or 512). Tolerance atol=rtol=1e-4
 (weights of scale in^-0.5; only fp32 rounding of the sums differs)."""
 
 from __future__ import annotations
