@@ -29,15 +29,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from engine.mathutils import cdiv
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.runner.inputs import ScheduledSeq
+from engine.sampling.sampler import greedy_tokens
 
-Replay = Callable[[], torch.Tensor]  # runs the captured step, returns its logits [bucket, vocab]
+
+class StepLogits(NamedTuple):
+    """A step's logits rows and, from a decode graph, each row's greedy token computed on the
+    device in the same replay (-1 for a row without a finite maximum; None from an eager step):
+    a plain greedy batch then costs one device-to-host copy and no launch after the replay."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    greedy: torch.Tensor | None = None  # [rows] int64
+
+
+Replay = Callable[[], StepLogits]  # runs the captured step on what the buffers hold
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -148,7 +159,7 @@ class CudaGraphCapture:
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
 
-        def replay() -> torch.Tensor:
+        def replay() -> StepLogits:
             graph.replay()
             return out
         return replay
@@ -179,21 +190,24 @@ class DecodeGraphs:
     def _step(self, bucket: int) -> Replay:
         input_ids, positions, attn = self.buffers.inputs(bucket)
 
-        def step() -> torch.Tensor:
+        def step() -> StepLogits:
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+            return StepLogits(logits, greedy_tokens(logits))
         return step
 
     def can_run(self, seqs: Sequence[ScheduledSeq]) -> bool:
         return bool(seqs) and len(seqs) <= self.sizes[-1] and is_decode_only(seqs)
 
-    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """The logits [len(seqs), vocab] of one decode step (a view into the graph's output:
-        read it before the next ``run``)."""
+    def run(self, seqs: Sequence[ScheduledSeq]) -> StepLogits:
+        """The logits [len(seqs), vocab] and greedy tokens of one decode step (views into the
+        graph's output: read them before the next ``run``)."""
         bucket = bucket_for(len(seqs), self.sizes)
         assert bucket is not None, "run() needs can_run(seqs)"
         self.buffers.write(seqs, bucket)
-        return self._replays[bucket]()[:len(seqs)]
+        logits, greedy = self._replays[bucket]()
+        assert greedy is not None
+        return StepLogits(logits[:len(seqs)], greedy[:len(seqs)])
 
 
 class NoDecodeGraphs:
@@ -208,5 +222,5 @@ class NoDecodeGraphs:
     def can_run(self, seqs: Sequence[ScheduledSeq]) -> bool:
         return False
 
-    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def run(self, seqs: Sequence[ScheduledSeq]) -> StepLogits:
         raise RuntimeError("decode graphs are off")

@@ -19,7 +19,7 @@ from engine.models.loader import LoadedModel
 from engine.models.quant_weights import plan_quantized
 from engine.request import Request
 from engine.runner.cpu_threads import configure_cpu_threads
-from engine.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, NoDecodeGraphs
+from engine.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, NoDecodeGraphs, StepLogits
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from engine.runner.logit_rows import plan_logit_rows
 from engine.runner.memory import gpu_kv_blocks
@@ -129,9 +129,10 @@ class ModelRunner:
                                      block_ids[request.request_id], num_logits))
 
         out = RunnerOutput()
-        logits = self._forward(seqs)
-        if logits is None:
+        step = self._forward(seqs)
+        if step is None:
             return out
+        logits = step.logits
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
             num_top = request.sampling_params.prompt_logprobs
@@ -139,7 +140,7 @@ class ModelRunner:
             out.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits[first:first + count], next_ids, num_top, include_first=start == 0)
         if rows.sample_rows:
-            self._sample(logits, rows.sample_rows, out)
+            self._sample(logits, rows.sample_rows, out, step.greedy)
         if rows.verify_requests:
             accepted = verify_drafts(logits[rows.verify_rows], rows.verify_requests, draft_probs or {},
                                      self.vocab_size, self.device, self.sampler.generator)
@@ -147,9 +148,9 @@ class ModelRunner:
                 out.sampled[request.request_id] = token_ids
         return out
 
-    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+    def _forward(self, seqs: list[ScheduledSeq]) -> StepLogits | None:
         """The step's logits rows (None when it has none): a replayed graph for a decode step
-        that fits one, else the eager forward."""
+        that fits one (with its greedy tokens), else the eager forward."""
         if self.decode_graphs.can_run(seqs):
             return self.decode_graphs.run(seqs)
         model_input = build_model_input(seqs, self.block_size, self.device)
@@ -159,18 +160,25 @@ class ModelRunner:
         if wanted.shape[0] == 0:
             return None
         # as many logits rows as tokens: they are all the rows, in order (no gather)
-        return self.model.compute_logits(hidden if wanted.shape[0] == hidden.shape[0] else hidden[wanted])
+        return StepLogits(self.model.compute_logits(hidden if wanted.shape[0] == hidden.shape[0]
+                                                    else hidden[wanted]))
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Request, int]],
-                out: RunnerOutput) -> None:
+                out: RunnerOutput, greedy: torch.Tensor | None = None) -> None:
         requests = [r for r, _ in rows]
         row_ids = [row for _, row in rows]
         # every row in order (a decode batch): the logits as they are, no gather
-        row_logits = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
+        in_order = row_ids == list(range(logits.shape[0]))
+        row_logits = logits if in_order else logits[row_ids]
         if all(takes_argmax(r.sampling_params, r.output_token_ids, self.eos_token_ids) for r in requests):
             # plain greedy rows: the argmax, without building metadata (a batch-1 decode step's
-            # sampling was ~0.1 ms of it); a non-finite row takes the full path, which names it
-            token_ids = self._argmax_rows(row_logits)
+            # sampling was ~0.1 ms of it), from the decode graph where it ran (one copy, no
+            # launch); a non-finite row takes the full path, which names it
+            if greedy is not None and in_order:
+                copied = greedy.tolist()
+                token_ids = None if min(copied, default=0) < 0 else copied
+            else:
+                token_ids = self._argmax_rows(row_logits)
             if token_ids is not None:
                 for request, token_id in zip(requests, token_ids):
                     out.sampled[request.request_id] = [token_id]

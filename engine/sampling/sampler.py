@@ -67,9 +67,15 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     full sampler then raises, naming the request). What ``Sampler`` returns for rows that
     ``metadata.takes_argmax``, without building their metadata. One device-to-host copy: a
     row without a finite maximum comes back as -1."""
-    values, indices = logits.max(dim=-1)
-    tokens = torch.where(torch.isfinite(values), indices, -1).tolist()  # one device-to-host copy
+    tokens = greedy_tokens(logits).tolist()  # one device-to-host copy
     return None if min(tokens, default=0) < 0 else tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64 on the logits' device: each row's argmax, -1 where the row has no
+    finite maximum (a decode graph computes it inside the replay)."""
+    values, indices = logits.max(dim=-1)
+    return torch.where(torch.isfinite(values), indices, -1)
 
 
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -108,10 +108,12 @@ def test_a_padded_bucket_replays_the_eager_step(model, device):
     ]
     for seqs in steps:
         assert graphs.can_run(seqs)
-        actual = graphs.run(seqs)
+        actual, greedy = graphs.run(seqs)
         expected = _eager_decode(model, expected_cache, seqs)
         assert actual.shape == (len(seqs), CONFIG.vocab_size)
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        # the replay's own argmax: one per real row, the same as the eager logits' argmax
+        assert greedy is not None and greedy.tolist() == expected.argmax(-1).tolist()
         # the real rows' K/V landed where the eager step put them; the padding row stored nothing
         torch.testing.assert_close(kv_cache, expected_cache, rtol=1e-4, atol=1e-4)
 
