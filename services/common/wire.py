@@ -13,6 +13,9 @@ Logprobs: a :class:`PositionLogprobs` becomes ``PositionLogprobs{sampled, top}``
 1.. for the top entries; a ``None`` entry (prompt position 0, which nothing predicts) is sent
 as an empty message (no ``sampled``) and read back as ``None``.
 
+A structured-output constraint travels as ``StructuredOutputs`` (a schema as JSON text), with
+the request field it came from, so a worker's refusal names the field the client wrote.
+
 The KV handshake (:class:`KVHandshake`) travels as kv.proto's ``KVHandshake``.
 """
 
@@ -28,6 +31,7 @@ from engine.kv_cache.events import Tier
 from engine.kv_transfer.base import KVCompat, KVHandshake, KVRegion
 from engine.sampling_params import SamplingParams
 from engine.stats import TierStats
+from engine.structured.params import StructuredOutputsParams
 from services.common.pb import generate_pb2, kv_pb2, worker_pb2
 
 if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
@@ -103,12 +107,10 @@ def shortest_float32(value: float) -> float:
 # ---- sampling params -----------------------------------------------------------------------
 
 def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
-    """Every field the engine uses; ``logprobs_mode`` other than 'processed' and a structured
-    output constraint are not on the wire yet (ValueError rather than a silent change)."""
+    """Every field the engine uses; ``logprobs_mode`` other than 'processed' is not on the wire
+    yet (ValueError rather than a silent change)."""
     if params.logprobs_mode != "processed":
         raise ValueError(f"logprobs_mode={params.logprobs_mode!r} cannot be sent to a worker yet")
-    if params.structured_outputs is not None:
-        raise ValueError("structured_outputs cannot be sent to a worker yet (the constraint would be dropped)")
     msg = generate_pb2.SamplingParams(
         n=params.n, min_tokens=params.min_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
@@ -127,6 +129,8 @@ def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         msg.bad_words.extend(params.bad_words)
     for sequence in params.bad_words_token_ids or ():
         msg.bad_words_token_ids.add(ids=sequence)
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(params.structured_outputs))
     return msg
 
 
@@ -151,7 +155,37 @@ def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
         if msg.HasField(name):
             value = getattr(msg, name)
             kwargs[name] = shortest_float32(value) if name in _FLOATS else value
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def structured_to_proto(so: StructuredOutputsParams) -> generate_pb2.StructuredOutputs:
+    """The constraint as sent to a worker: a schema as its compact JSON text (``so.source``,
+    properties in their order), the request field it came from so the worker's errors name it.
+    ValueError (StructuredOutputError) for a constraint with no kind or a schema that is not JSON."""
+    so.validate()
+    msg = generate_pb2.StructuredOutputs(strict=so.strict, field=so.field or "")
+    kind = so.kind
+    if kind == "json":
+        msg.json = so.source
+    elif kind == "choice":
+        msg.choice.choices.extend(so.choice or ())
+    else:
+        setattr(msg, kind, getattr(so, kind))
+    return msg
+
+
+def structured_from_proto(msg: generate_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """No kind set reads as a constraint with none, which the engine refuses naming the field."""
+    kind = msg.WhichOneof("kind")
+    kwargs: dict[str, object] = {"strict": msg.strict if msg.HasField("strict") else True,
+                                 "field": msg.field or None}
+    if kind == "choice":
+        kwargs["choice"] = list(msg.choice.choices)
+    elif kind is not None:
+        kwargs[kind] = getattr(msg, kind)
+    return StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
 
 
 # ---- finish reasons and logprobs -----------------------------------------------------------

@@ -102,6 +102,12 @@ def test_pushes_only_into_live_reservations_and_their_blocks():
                    frequency_penalty=-0.5, include_stop_str_in_output=True,
                    skip_special_tokens=False, cache_salt="tenant-a"),
     SamplingParams(bad_words=["bad", "worse"], bad_words_token_ids=[[7], [8, 9]]),
+    SamplingParams(structured_outputs={"regex": "[ab]+", "field": "guided_regex"}),
+    SamplingParams(structured_outputs={"choice": ["yes", "no"]}),
+    SamplingParams(structured_outputs={"grammar": 'root ::= "a" | "b"', "field": "structured_outputs.grammar"}),
+    SamplingParams(structured_outputs={"json_object": True, "strict": False, "field": "response_format"}),
+    SamplingParams(structured_outputs={"json": '{"type":"object","properties":{"b":{},"a":{}}}',
+                                       "strict": False, "field": "response_format.json_schema"}),
 ])
 def test_sampling_params_round_trip(params):
     back = params_from_proto(params_to_proto(params))

@@ -68,11 +68,34 @@ def test_supported_schemas_pass_the_keyword_check():
     assert unsupported_keyword(schema) is None
 
 
-def test_the_wire_refuses_a_constraint_it_cannot_carry_yet():
-    from engine.sampling_params import SamplingParams
-    from services.common.wire import params_to_proto
+def test_the_wire_carries_a_schema_as_its_json_text_in_property_order():
+    from services.common.pb import generate_pb2
+    from services.common.wire import params_from_proto, params_to_proto
 
-    constrained = SamplingParams(structured_outputs={"regex": "[ab]+"})
-    with pytest.raises(ValueError, match="structured_outputs cannot be sent to a worker yet"):
-        params_to_proto(constrained)
-    assert params_to_proto(SamplingParams(max_tokens=3)).max_tokens == 3
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}},
+              "required": ["zeta", "alpha"]}
+    params = SamplingParams(max_tokens=3, structured_outputs={"json": schema, "field": "guided_json"})
+    msg = params_to_proto(params)
+    assert msg.structured_outputs.WhichOneof("kind") == "json"
+    assert msg.structured_outputs.json == '{"type":"object","properties":{"zeta":{"type":"integer"},' \
+                                          '"alpha":{"type":"string"}},"required":["zeta","alpha"]}'
+    back = params_from_proto(generate_pb2.SamplingParams.FromString(msg.SerializeToString()))
+    assert back.structured_outputs == StructuredOutputsParams(json=msg.structured_outputs.json, field="guided_json")
+    assert back.structured_outputs.key == params.structured_outputs.key  # compiles to the same grammar
+    assert back.structured_outputs.schema() == schema and list(back.structured_outputs.schema()["properties"]) == [
+        "zeta", "alpha"]
+
+
+def test_an_absent_constraint_is_unconstrained_and_an_empty_one_is_refused_naming_its_field():
+    from services.common.pb import generate_pb2
+    from services.common.wire import params_from_proto, params_to_proto
+
+    assert not params_to_proto(SamplingParams(max_tokens=3)).HasField("structured_outputs")
+    assert params_from_proto(generate_pb2.SamplingParams(max_tokens=3)).structured_outputs is None  # an old client
+    empty = params_from_proto(generate_pb2.SamplingParams(
+        structured_outputs=generate_pb2.StructuredOutputs(field="guided_regex")))
+    with pytest.raises(StructuredOutputError, match="exactly one") as info:
+        empty.validate(100, 64)
+    assert info.value.field == "guided_regex"
+    with pytest.raises(StructuredOutputError, match="exactly one"):
+        params_to_proto(SamplingParams(structured_outputs=StructuredOutputsParams()))
