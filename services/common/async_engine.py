@@ -135,6 +135,14 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile ``params``' structured-output constraint (if any) on a worker thread, within
+        the compiler's time limit, so that the engine loop never waits for a compile: the
+        add_request or reserve_remote that follows finds it cached. Raises
+        StructuredOutputError (a ValueError) naming the request field at fault."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.core.constraints.compile, params.structured_outputs)
+
     def set_kv_event_sink(self, sink: Callable[[list[KVCacheEvent]], None] | None) -> None:
         """After every engine-loop iteration (commands, then a step), drain the core's KV events
         (``EngineCore.take_kv_events``; the engine must be built with ``enable_kv_events``) and
@@ -146,6 +154,7 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until every sample finished. Closing the
         iterator early (client gone, stop string) aborts the request in the engine."""
+        await self.compile_constraint(params)
         queue = self.subscribe(request_id)
         finished = 0
         try:

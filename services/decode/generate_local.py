@@ -27,7 +27,7 @@ from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
 from services.common.faults import faults
 from services.common.pb import worker_pb2
 from services.common.wire import decode_response, ttft_stages_to_proto
-from services.worker.request_params import one_sample_params
+from services.worker.request_params import compile_constraint, one_sample_params
 from services.worker.stats import PrefixCounters
 
 
@@ -46,6 +46,12 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
     if not prompt:
         raise InvalidArgument("Generate: prompt_token_ids is empty: give at least one token")
     params = one_sample_params(request.sampling_params, "Generate")
+    try:
+        await compile_constraint(engine, params, "Generate")  # off the engine loop
+    except InvalidArgument:
+        if on_added is not None:
+            on_added()  # refused: no longer pending
+        raise
     try:
         queue = engine.subscribe(request_id)
     except ValueError as exc:

@@ -115,6 +115,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         pending = self.queue_limit.admit("ReserveBlocks")
         try:
             params = params_from_proto(request.sampling_params)  # bad words come tokenized
+            await self.engine.compile_constraint(params)  # off the engine loop, before reserving
             reserving = asyncio.ensure_future(
                 self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
             self._reserving[reservation_id] = False

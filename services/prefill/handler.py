@@ -69,7 +69,7 @@ from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
 from services.prefill.ttft_clock import TtftClock
 from services.worker.admission import Pending, QueueLimit
-from services.worker.request_params import one_sample_params
+from services.worker.request_params import compile_constraint, one_sample_params
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -165,6 +165,7 @@ class _PrefillJob:
 
     async def run(self) -> AsyncIterator[worker_pb2.PrefillResponse]:
         """The call's responses, in the order of the module docstring."""
+        await compile_constraint(self.engine, self.params, "Prefill")  # before the decode worker reserves
         if self.params.max_tokens != 1:  # 1: the first token ends the request, no decode worker
             reservation = await self._reserve()
             self.ttft.on_reserved()

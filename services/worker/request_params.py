@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from services.common.async_engine import AsyncEngine
 from services.common.errors import InvalidArgument
 from services.common.pb import generate_pb2
 from services.common.wire import params_from_proto
@@ -19,3 +20,13 @@ def one_sample_params(proto: generate_pb2.SamplingParams, rpc: str) -> SamplingP
         raise InvalidArgument(f"{rpc}: n={params.n}; a worker request carries one sample, the "
                               "router sends n > 1 as n requests")
     return params
+
+
+async def compile_constraint(engine: AsyncEngine, params: SamplingParams, rpc: str) -> None:
+    """Compile ``params``' structured-output constraint off the engine loop
+    (``AsyncEngine.compile_constraint``); InvalidArgument naming ``rpc`` and the request field
+    when it is malformed, does not compile, or does not compile in time."""
+    try:
+        await engine.compile_constraint(params)
+    except ValueError as exc:
+        raise InvalidArgument(f"{rpc}: {exc}") from exc
