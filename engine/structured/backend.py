@@ -39,7 +39,7 @@ import xgrammar as xgr
 from engine.models.tokenizer import Tokenizer
 from engine.structured.errors import StructuredOutputError
 from engine.structured.params import StructuredOutputsParams
-from engine.structured.schema_check import unsupported_keyword
+from engine.structured.schema_check import check_schema
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: "
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -62,11 +62,7 @@ class GrammarBackend:
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """Compile a validated constraint. Raises StructuredOutputError (bad or unsupported)."""
         kind, field = params.kind, params.field_name
-        if kind == "json":
-            found = unsupported_keyword(params.schema())
-            if found is not None:
-                pointer, why = found
-                raise StructuredOutputError(field, f"unsupported schema keyword at '{pointer or '/'}': {why}")
+        check_schema(params)
         try:
             if kind == "json":
                 # compact JSON (vLLM's disable_any_whitespace): a small model left free to emit

@@ -11,12 +11,16 @@ JSON Schema validates (types, ``properties``/``required``/``additionalProperties
 bounds and ``multipleOf``) is. ``oneOf`` whose branches overlap is enforced as ``anyOf``.
 
 ``unsupported_keyword(schema)`` is pure: the first keyword the engine would not enforce, with
-its JSON pointer, or None.
+its JSON pointer, or None. ``check_schema(params)`` raises it as the error a request gets; it
+needs no grammar engine, so a router runs it before any worker sees the request.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from engine.structured.errors import StructuredOutputError
+from engine.structured.params import StructuredOutputsParams
 
 UNSUPPORTED = {
     "not": "'not' is not enforced by the grammar engine",
@@ -66,3 +70,14 @@ def unsupported_keyword(schema: Any, pointer: str = "") -> tuple[str, str] | Non
             if found:
                 return found
     return None
+
+
+def check_schema(params: StructuredOutputsParams) -> None:
+    """StructuredOutputError naming ``params.field_name`` when its JSON schema (kind 'json')
+    uses a keyword the engine would not enforce; other kinds pass."""
+    if params.kind != "json":
+        return
+    found = unsupported_keyword(params.schema())
+    if found is not None:
+        pointer, why = found
+        raise StructuredOutputError(params.field_name, f"unsupported schema keyword at '{pointer or '/'}': {why}")

@@ -3,6 +3,8 @@ services/router/http/errors.py; gRPC: services/router/grpc/status.py).
 
     InvalidRequest   bad input, before any worker is touched     HTTP ``status`` (400, 413, 431)
                                                                   / gRPC INVALID_ARGUMENT
+    RefusedByBackend bad input a worker's engine found, naming    HTTP 400 / INVALID_ARGUMENT
+                     the field (a constraint that won't compile)
     ModelNotFound    the ``model`` field names another model      HTTP 404 model_not_found
                                                                   / gRPC NOT_FOUND
     Overloaded       full: every worker, or the router's queue    HTTP 429 + Retry-After
@@ -32,6 +34,12 @@ class InvalidRequest(ValueError):
         self.param = param
         self.code = code
         self.status = status
+
+
+class RefusedByBackend(InvalidRequest):
+    """A backend's verdict on bad input that names the request field at fault (a structured-output
+    constraint that does not compile on the worker): HTTP 400 / INVALID_ARGUMENT with that
+    ``param``. Its Generation already counted the request (as a plain ValueError's does)."""
 
 
 class ModelNotFound(InvalidRequest):

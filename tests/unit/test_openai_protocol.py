@@ -136,7 +136,7 @@ def test_chat_defaults():
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "boolean"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format", "text"),
 ])
 def test_chat_request_errors(body, param, words):

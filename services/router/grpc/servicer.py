@@ -26,7 +26,14 @@ from google.protobuf.message import DecodeError
 
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import finish_to_proto, logprobs_list_to_proto, params_from_proto
-from services.router.errors import BackendError, InvalidRequest, ModelNotFound, NotServing, Overloaded
+from services.router.errors import (
+    BackendError,
+    InvalidRequest,
+    ModelNotFound,
+    NotServing,
+    Overloaded,
+    RefusedByBackend,
+)
 from services.router.grpc.status import MAPPED, abort_with
 from services.router.pipeline.debug_route import debug_headers
 from services.router.pipeline.frontend import Frontend, RouterState
@@ -101,12 +108,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             prompt_ids = _tokenize(frontend, request)
             params = frontend.check(prompt_ids, params_from_proto(request.sampling_params),
                                     "messages" if request.WhichOneof("input") == "chat" else "prompt")
+            await frontend.check_constraint(params)
             generation = frontend.generate(prompt_ids, params, arrived_at=arrived_at, deadline=deadline)
             await generation.start()
             return generation
         except MAPPED as error:
             if isinstance(error, ValueError):  # InvalidRequest, or the backend's verdict
-                self.state.metrics.reject("invalid", was_counted=not isinstance(error, InvalidRequest))
+                self.state.metrics.reject("invalid", was_counted=not isinstance(error, InvalidRequest)
+                                          or isinstance(error, RefusedByBackend))
             elif isinstance(error, Overloaded):
                 self.state.metrics.reject("overload", was_counted=generation is not None)
             await abort_with(context, error)

@@ -28,6 +28,7 @@ from services.router.errors import (
     InvalidRequest,
     NotServing,
     Overloaded,
+    RefusedByBackend,
     RequestTimeout,
     Unavailable,
 )
@@ -93,8 +94,8 @@ def count_rejections(metrics: RouterMetrics) -> Callable[[web.Request, Handler],
     async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except InvalidRequest:
-            metrics.reject("invalid")
+        except InvalidRequest as error:
+            metrics.reject("invalid", was_counted=isinstance(error, RefusedByBackend))
             raise
         except ValueError:
             metrics.reject("invalid", was_counted=True)

@@ -5,10 +5,12 @@ SamplingParams.validate's job (called by the Frontend once the prompt length is 
 Fields follow the OpenAI API plus vLLM's extensions (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens,
 allowed_token_ids, bad_words, return_token_ids, cache_salt) and ``timeout`` (seconds the whole
-request may take; past it HTTP 504). Unknown fields are ignored, as vLLM does, except the ones
-that would let a caller run or change code on the router (``chat_template``,
-``chat_template_kwargs``): those are refused. Strings must be valid Unicode: a lone surrogate
-(JSON's "\ud800") is refused naming its field, since no tokenizer can encode it.
+request may take; past it HTTP 504). Structured outputs (``response_format``, vLLM's
+``guided_*`` and ``structured_outputs``) are read by http/structured.py, on both endpoints.
+Unknown fields are ignored, as vLLM does, except the ones that would let a caller run or
+change code on the router (``chat_template``, ``chat_template_kwargs``): those are refused.
+Strings must be valid Unicode: a lone surrogate (JSON's "\ud800") is refused naming its
+field, since no tokenizer can encode it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.router.errors import InvalidRequest
+from services.router.http.structured import structured_outputs_of
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 
@@ -100,9 +103,6 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     for name in ("tools", "functions"):
         if body.get(name):
             raise InvalidRequest(f"{name} are not supported", name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise InvalidRequest("only response_format {'type': 'text'} is supported", "response_format")
     top_logprobs = _get(body, "top_logprobs", int, None)
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}",
@@ -158,6 +158,7 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None,
     kwargs["allowed_token_ids"] = _list_of(body, "allowed_token_ids", int)
     kwargs["bad_words"] = _list_of(body, "bad_words", str)
     kwargs["cache_salt"] = _get(body, "cache_salt", str, None)
+    kwargs["structured_outputs"] = structured_outputs_of(body)
     logit_bias = _get(body, "logit_bias", dict, None)
     if logit_bias:
         for key, value in logit_bias.items():

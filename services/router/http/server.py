@@ -165,6 +165,7 @@ class _Handlers:
         frontend.check_model(api.model)
         prompt_ids = frontend.tokenize(api.prompt, api.messages, api.add_generation_prompt)
         params = frontend.check(prompt_ids, api.params, "messages" if api.is_chat else "prompt")
+        await frontend.check_constraint(params)
         deadline = None if api.timeout_s is None else arrived_at + api.timeout_s
         async with frontend.generate(prompt_ids, params, is_stream=api.stream, arrived_at=arrived_at,
                                      deadline=deadline) as generation:

@@ -4,6 +4,7 @@
     frontend.check_model(name)                              # ModelNotFound for another model
     prompt_ids = frontend.tokenize(prompt="Hello")          # or token ids, or chat messages
     params = frontend.check(prompt_ids, params)             # InvalidRequest naming the problem
+    await frontend.check_constraint(params)                 # the same, for a schema's keywords
     async with frontend.generate(prompt_ids, params) as generation:   # backend errors raise here
         async for delta in generation:                      # SampleDelta per sample and event
             ...
@@ -23,11 +24,14 @@ does the same.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 
 from engine.models.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
+from engine.structured.errors import StructuredOutputError
+from engine.structured.schema_check import check_schema
 from services.router.backends.backend import Backend
 from services.router.errors import InvalidRequest, ModelNotFound
 from services.router.metrics import RouterMetrics
@@ -102,9 +106,23 @@ class Frontend:
         try:
             params.validate(self.model.vocab_size, max_model_len, len(prompt_ids))
             return params.with_bad_words_tokenized(self.tokenizer.encode)
+        except StructuredOutputError as error:
+            raise InvalidRequest(str(error), error.field) from error
         except ValueError as error:
             message = str(error)
             raise InvalidRequest(message, _param_of(message)) from error
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """InvalidRequest naming the field when the structured-output constraint (checked in
+        shape by ``check``) uses a schema keyword the engine would not enforce. On a thread: a
+        schema may be large. Whether it compiles is the engine's verdict, on the worker
+        (``RefusedByBackend`` from the Generation)."""
+        constraint = params.structured_outputs
+        if constraint is not None:
+            try:
+                await asyncio.to_thread(check_schema, constraint)
+            except StructuredOutputError as error:
+                raise InvalidRequest(str(error), error.field) from error
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  request_id: str | None = None, is_stream: bool = True,
