@@ -5,12 +5,18 @@ n-gram speculation, real processes, gRPC KV transfer).
 Each row is refused at the router with the status it names and the field it names (HTTP: the
 error's ``param``; gRPC: INVALID_ARGUMENT with trailing metadata ``pdserve-invalid-param``),
 before any worker is touched (the workers' request counters do not move), and no error body
-carries a stack trace or a file path. The rows that are not errors are handled without harm:
-control-token strings in a user message stay text, penalties and seeds work with
-speculative decoding. Deadlines (the ``timeout`` field, the gRPC deadline) end requests with
-504 / an error event / DEADLINE_EXCEEDED and free the KV on both workers. Afterwards every
-worker holds no block beyond idle and a normal request still gets the offline engine's
-greedy tokens.
+carries a stack trace or a file path. The exception: a structured-output constraint that only a
+grammar engine can judge (a regex or grammar that does not compile, a schema it rejects) is
+refused by the decode worker's engine when asked to reserve, before it reserves anything, and
+the router answers the same 400 naming the field. Structured outputs themselves are served
+through this cluster by ``test_structured_outputs_through_prefill_and_decode``
+(tests/integration/structured_checks.py; the colocated router runs the same checks).
+
+The rows that are not errors are handled without harm: control-token strings in a user
+message stay text, penalties and seeds work with speculative decoding. Deadlines (the
+``timeout`` field, the gRPC deadline) end requests with 504 / an error event /
+DEADLINE_EXCEEDED and free the KV on both workers. Afterwards every worker holds no block
+beyond idle and a normal request still gets the offline engine's greedy tokens.
 
 The same cluster's router runs with ``--max-queued-requests 4`` for the overload test: a burst
 of ten times that many requests at once gets 429 with Retry-After within 100 ms for each one
@@ -33,6 +39,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
+from tests.integration import structured_checks
 from tests.integration.cluster_fixtures import (
     oracle_llm,
     start_router,
@@ -139,6 +146,23 @@ HTTP_ROWS = [
             code="request_too_large"),
     HttpRow("oversized header", {"prompt": "hi"}, 431, None, headers={"x-padding": "p" * 20_000},
             code="request_header_fields_too_large"),
+    # structured outputs: what the router judges without a grammar engine ...
+    HttpRow("two constraints at once", {"prompt": "hi", "response_format": {"type": "json_object"},
+                                        "guided_regex": "a+"}, 400, "response_format"),
+    HttpRow("schema that is not an object", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}), 400, "response_format.json_schema", "/v1/chat/completions"),
+    HttpRow("schema that is not JSON", {"prompt": "hi", "structured_outputs": {"json": '{"type": '}}, 400,
+            "structured_outputs.json"),
+    HttpRow("schema keyword not enforced", {"prompt": "hi", "guided_json": {"type": "object", "not": {}}}, 400,
+            "guided_json"),
+    HttpRow("choice that is not a list", {"prompt": "hi", "guided_choice": "yes"}, 400, "guided_choice"),
+    # ... and what only the decode worker's grammar engine can (refused before it reserves a block)
+    HttpRow("invalid JSON schema", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}}, 400,
+        "response_format.json_schema"),
+    HttpRow("regex that does not compile", {"prompt": "hi", "guided_regex": "[0-9"}, 400, "guided_regex"),
+    HttpRow("grammar that does not compile", chat(structured_outputs={"grammar": "root ::= undefined_rule"}), 400,
+            "structured_outputs.grammar", "/v1/chat/completions"),
 ]
 
 GRPC_ROWS: list[tuple[str, dict, str]] = [
@@ -175,6 +199,12 @@ GRPC_ROWS: list[tuple[str, dict, str]] = [
     ("too many logprobs", {"sampling_params": generate_pb2.SamplingParams(logprobs=50)}, "logprobs"),
     ("oversized cache_salt", {"sampling_params": generate_pb2.SamplingParams(cache_salt="s" * 300)},
      "cache_salt"),
+    ("constraint of no kind", {"sampling_params": generate_pb2.SamplingParams(
+        structured_outputs=generate_pb2.StructuredOutputs())}, "structured_outputs"),
+    ("schema keyword not enforced", {"sampling_params": generate_pb2.SamplingParams(
+        structured_outputs=generate_pb2.StructuredOutputs(json='{"not": {}}'))}, "structured_outputs.json"),
+    ("regex that does not compile", {"sampling_params": generate_pb2.SamplingParams(
+        structured_outputs=generate_pb2.StructuredOutputs(regex="[0-9"))}, "structured_outputs.regex"),
 ]
 
 
@@ -325,6 +355,18 @@ def test_the_cluster_still_serves_the_offline_greedy_tokens(cluster, llm):
     responses = generate(cluster, prompt=PROMPT, sampling_params=generate_pb2.SamplingParams(
         max_tokens=8, temperature=0))
     assert [t for r in responses for t in r.token_ids] == list(expected)
+    assert_idle(cluster)
+
+
+def test_structured_outputs_through_prefill_and_decode(cluster, llm):
+    """Greedy constrained output is the offline engine's (so the colocated router's) with n-gram
+    speculation on the decode worker; sampled and streamed output obeys; gRPC carries the field."""
+    api = structured_checks.client(f"127.0.0.1:{http_port(cluster)}")
+    model = api.models.list().data[0].id
+    structured_checks.greedy_matches_the_offline_engine(api, model, llm)
+    structured_checks.chat_streamed_at_temperature_1_validates(api, model)
+    structured_checks.choice(api, model)
+    structured_checks.grpc_regex(cluster["channel"])
     assert_idle(cluster)
 
 

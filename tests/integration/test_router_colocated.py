@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.integration import structured_checks
 from tests.integration.cluster_fixtures import oracle_llm
 
 pytestmark = pytest.mark.slow
@@ -457,3 +458,23 @@ def test_metrics_endpoint_exports_frontend_and_engine_names(router):
     running = [s for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "vllm:num_requests_running"]
     assert running[0].labels["role"] == "colocated" and running[0].value == 0
+
+
+# ---- structured outputs (tests/integration/structured_checks.py; the 1P1D cluster runs them too) --
+
+def test_structured_greedy_output_matches_the_offline_engine(router, llm):
+    structured_checks.greedy_matches_the_offline_engine(structured_checks.client(router.http), router.model, llm)
+
+
+def test_structured_outputs_validate_streamed_and_sampled(router):
+    api = structured_checks.client(router.http)
+    structured_checks.sampled_and_streamed_output_validates(api, router.model)
+    structured_checks.json_object_regex_and_choice(api, router.model)
+    structured_checks.grpc_regex(router.channel)
+    assert wait_until_idle(router).num_free_blocks == stats(router).num_total_blocks
+
+
+def test_bad_constraints_get_400_naming_the_field(router):
+    structured_checks.bad_constraints_get_400_and_the_server_keeps_serving(
+        structured_checks.client(router.http), router.model)
+    assert wait_until_idle(router).num_free_blocks == stats(router).num_total_blocks

@@ -1,0 +1,162 @@
+"""Structured outputs through a real router, with the official ``openai`` client: the checks the
+colocated router (test_router_colocated.py) and the 1 prefill + 1 decode cluster
+(test_bad_input_matrix.py) both pass, each on its own module's cluster.
+
+Greedy constrained output must equal the offline engine's token for token (so colocated and
+disaggregated agree with each other); sampled output must validate against its schema with
+``jsonschema``; bad constraints get HTTP 400 naming the field, and the server keeps serving.
+Short outputs and few requests: every schema's strings are short and its arrays small.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import jsonschema
+import openai
+
+from engine.sampling_params import SamplingParams
+from services.common.pb import generate_pb2, generate_pb2_grpc
+
+PROMPT = "Answer in JSON. Describe something."
+MAX_TOKENS = 60
+S = {"type": "string", "maxLength": 8}
+# nested objects, an array with minItems/maxItems, enums
+NESTED = {"type": "object", "properties": {
+    "user": {"type": "object", "properties": {
+        "name": S, "role": {"enum": ["admin", "guest"]},
+        "tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 2}},
+        "required": ["name", "role", "tags"]}},
+    "required": ["user"]}
+# anyOf, a string pattern, numbers with bounds
+MIXED = {"type": "object", "properties": {
+    "shape": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 9}, {"type": "null"}]},
+    "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
+    "price": {"type": "number", "minimum": 0, "maximum": 100},
+    "level": {"type": "integer", "enum": [1, 2, 3]}},
+    "required": ["shape", "code", "price", "level"]}
+REGEX = r"[0-9]{3}-[0-9]{4}"
+CHOICES = ["cat", "dog", "bird"]
+
+
+def client(http_address: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def json_schema(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def check(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema)
+
+
+_OFFLINE: dict[str, tuple[list[int], str]] = {}  # schema -> the offline engine's greedy output, once a session
+
+
+def offline_greedy(llm, schema: dict) -> tuple[list[int], str]:
+    key = json.dumps(schema)
+    if key not in _OFFLINE:
+        (output,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs={
+            "json": schema, "field": "response_format.json_schema"}))[0].outputs
+        _OFFLINE[key] = (list(output.token_ids), output.text)
+    return _OFFLINE[key]
+
+
+def greedy_matches_the_offline_engine(api: openai.OpenAI, model: str, llm) -> None:
+    """/v1/completions at temperature 0 with response_format json_schema: the offline engine's
+    tokens (the same constraint, as the field it came from)."""
+    for schema in (NESTED, MIXED):
+        expected_ids, expected_text = offline_greedy(llm, schema)
+        reply = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"response_format": json_schema(schema), "return_token_ids": True})
+        choice = reply.choices[0]
+        assert choice.model_extra["token_ids"] == expected_ids, (choice.text, expected_text)
+        assert choice.finish_reason == "stop", choice
+        check(choice.text, schema)
+
+
+def chat_streamed_at_temperature_1_validates(api: openai.OpenAI, model: str, schema: dict = MIXED) -> None:
+    """Chat, streamed, sampled, through vLLM's guided_json."""
+    chunks = api.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                         max_tokens=MAX_TOKENS, temperature=1, seed=3, stream=True,
+                                         extra_body={"guided_json": schema})
+    parts = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
+    assert parts[-1][1] == "stop", parts
+    check("".join(text for text, _ in parts), schema)
+
+
+def sampled_and_streamed_output_validates(api: openai.OpenAI, model: str) -> None:
+    """Chat not streamed at temperature 0 (response_format), streamed at 1 (guided_json), and
+    completions streamed at 1 (response_format)."""
+    reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                        max_tokens=MAX_TOKENS, temperature=0, response_format=json_schema(NESTED))
+    assert reply.choices[0].finish_reason == "stop", reply
+    check(reply.choices[0].message.content, NESTED)
+    chat_streamed_at_temperature_1_validates(api, model, MIXED)
+    stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1, seed=5,
+                                    stream=True, extra_body={"response_format": json_schema(NESTED)})
+    check("".join(c.choices[0].text for c in stream if c.choices), NESTED)
+
+
+def choice(api: openai.OpenAI, model: str) -> None:
+    reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Best pet?"}],
+                                        max_tokens=6, temperature=1, seed=3,
+                                        extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert reply.choices[0].message.content in CHOICES, reply.choices[0]
+
+
+def json_object_regex_and_choice(api: openai.OpenAI, model: str) -> None:
+    reply = api.completions.create(model=model, prompt="Write JSON about a cat.", max_tokens=MAX_TOKENS, temperature=0,
+                                   extra_body={"response_format": {"type": "json_object"}})
+    assert reply.choices[0].finish_reason == "stop", reply
+    assert isinstance(json.loads(reply.choices[0].text), dict)
+    reply = api.completions.create(model=model, prompt="Phone number:", max_tokens=12, temperature=1, seed=2,
+                                   extra_body={"guided_regex": REGEX})
+    assert re.fullmatch(REGEX, reply.choices[0].text), reply.choices[0]
+    choice(api, model)
+
+
+def grpc_regex(channel: grpc.Channel) -> None:
+    """The public gRPC API's SamplingParams.structured_outputs."""
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    constraint = generate_pb2.StructuredOutputs(regex=REGEX)
+    responses = list(stub.Generate(generate_pb2.GenerateRequest(prompt="Phone number:", sampling_params=(
+        generate_pb2.SamplingParams(max_tokens=12, temperature=0, structured_outputs=constraint))), timeout=60))
+    assert re.fullmatch(REGEX, "".join(r.text for r in responses)), responses
+    assert responses[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
+    bad = generate_pb2.StructuredOutputs(regex="[0-9", field="guided_regex")
+    try:
+        list(stub.Generate(generate_pb2.GenerateRequest(prompt="hi", sampling_params=generate_pb2.SamplingParams(
+            max_tokens=4, structured_outputs=bad)), timeout=60))
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "guided_regex: does not compile" in error.details(), error.details()
+        assert dict(error.trailing_metadata() or ()).get("pdserve-invalid-param") == "guided_regex"
+    else:
+        raise AssertionError("a regex that does not compile was served")
+
+
+BAD = [  # (extra body, the field the 400 names, words of its message)
+    ({"response_format": json_schema({"type": "object", "properties": {"a": {"type": 7}}})},
+     "response_format.json_schema", "does not compile"),
+    ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, "guided_json", "unsupported schema keyword"),
+    ({"guided_regex": "[0-9"}, "guided_regex", "does not compile"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar", "does not compile"),
+    ({"guided_regex": "a+", "guided_choice": ["b"]}, "guided_regex", "guided_regex and guided_choice are both set"),
+]
+
+
+def bad_constraints_get_400_and_the_server_keeps_serving(api: openai.OpenAI, model: str) -> None:
+    for extra, param, words in BAD:
+        try:
+            api.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra)
+        except openai.BadRequestError as error:
+            assert error.status_code == 400 and error.param == param, (extra, error.body)
+            assert words in error.message, (extra, error.message)
+        else:
+            raise AssertionError(f"{extra} was served")
+    reply = api.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3
