@@ -5,7 +5,9 @@ colocated router (test_router_colocated.py) and the 1 prefill + 1 decode cluster
 Greedy constrained output must equal the offline engine's token for token (so colocated and
 disaggregated agree with each other); sampled output must validate against its schema with
 ``jsonschema``; bad constraints get HTTP 400 naming the field, and the server keeps serving.
-Short outputs and few requests: every schema's strings are short and its arrays small.
+Short outputs and few requests: every schema's strings are short and its arrays small. Sampled
+requests use NESTED only: a JSON number's fraction digits are unbounded, so a sample of MIXED
+might not end within max_tokens on another machine's kernels; MIXED is decoded greedily.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def offline_greedy(llm, schema: dict) -> tuple[list[int], str]:
 
 def greedy_matches_the_offline_engine(api: openai.OpenAI, model: str, llm) -> None:
     """/v1/completions at temperature 0 with response_format json_schema: the offline engine's
-    tokens (the same constraint, as the field it came from)."""
-    for schema in (NESTED, MIXED):
+    tokens (the same constraint, as the field it came from). One schema: each costs a request."""
+    for schema in (MIXED,):
         expected_ids, expected_text = offline_greedy(llm, schema)
         reply = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body={"response_format": json_schema(schema), "return_token_ids": True})
@@ -78,7 +80,7 @@ def greedy_matches_the_offline_engine(api: openai.OpenAI, model: str, llm) -> No
         check(choice.text, schema)
 
 
-def chat_streamed_at_temperature_1_validates(api: openai.OpenAI, model: str, schema: dict = MIXED) -> None:
+def chat_streamed_at_temperature_1_validates(api: openai.OpenAI, model: str, schema: dict = NESTED) -> None:
     """Chat, streamed, sampled, through vLLM's guided_json."""
     chunks = api.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
                                          max_tokens=MAX_TOKENS, temperature=1, seed=3, stream=True,
@@ -95,7 +97,7 @@ def sampled_and_streamed_output_validates(api: openai.OpenAI, model: str) -> Non
                                         max_tokens=MAX_TOKENS, temperature=0, response_format=json_schema(NESTED))
     assert reply.choices[0].finish_reason == "stop", reply
     check(reply.choices[0].message.content, NESTED)
-    chat_streamed_at_temperature_1_validates(api, model, MIXED)
+    chat_streamed_at_temperature_1_validates(api, model)
     stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1, seed=5,
                                     stream=True, extra_body={"response_format": json_schema(NESTED)})
     check("".join(c.choices[0].text for c in stream if c.choices), NESTED)
