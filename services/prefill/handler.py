@@ -42,6 +42,7 @@ import grpc
 from engine.config import Role
 from engine.kv_transfer.base import KVTransferError
 from engine.sampling_params import SamplingParams
+from engine.structured.compiler import DEFAULT_TIMEOUT_S as COMPILE_TIMEOUT_S
 from services.common.async_engine import EngineDead
 from services.common.errors import (
     AlreadyExists,
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # engine.scheduler.output imports torch; so does this module 
     from engine.scheduler.output import RequestOutput
 
 log = logging.getLogger(__name__)
-RESERVE_TIMEOUT_S = 5.0
+RESERVE_TIMEOUT_S = 5.0  # plus, for a constrained request, the decode worker's compile limit
 RELEASE_TIMEOUT_S = 2.0
 SETTLE_TIMEOUT_S = 10.0
 
@@ -282,7 +283,8 @@ class _PrefillJob:
             self.reserve_unanswered = True
             reply = await self.peer.decode.ReserveBlocks(worker_pb2.ReserveBlocksRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt,
-                sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S)
+                sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S + (
+                    COMPILE_TIMEOUT_S if self.params.structured_outputs is not None else 0.0))
             self.reserve_unanswered = False
         except KVTransferError as exc:
             raise FailedPrecondition(str(exc), failed_peer="decode") from exc
