@@ -152,13 +152,19 @@ BAD = [  # (extra body, the field the 400 names, words of its message)
 
 
 def bad_constraints_get_400_and_the_server_keeps_serving(api: openai.OpenAI, model: str) -> None:
-    for extra, param, words in BAD:
+    """Each BAD row over completions, and one over a streamed chat: the 400 comes before the stream."""
+    calls = [(lambda extra=extra: api.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra),
+              param, words) for extra, param, words in BAD]
+    calls.append((lambda: api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4, stream=True, extra_body={"guided_regex": "(a"}),
+                  "guided_regex", "does not compile"))
+    for call, param, words in calls:
         try:
-            api.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra)
+            call()
         except openai.BadRequestError as error:
-            assert error.status_code == 400 and error.param == param, (extra, error.body)
-            assert words in error.message, (extra, error.message)
+            assert error.status_code == 400 and error.param == param, (param, error.body)
+            assert words in error.message, (param, error.message)
         else:
-            raise AssertionError(f"{extra} was served")
+            raise AssertionError(f"a bad {param} was served")
     reply = api.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0)
     assert reply.usage.completion_tokens == 3

@@ -7,8 +7,8 @@ error's ``param``; gRPC: INVALID_ARGUMENT with trailing metadata ``pdserve-inval
 before any worker is touched (the workers' request counters do not move), and no error body
 carries a stack trace or a file path. The exception: a structured-output constraint that only a
 grammar engine can judge (a regex or grammar that does not compile, a schema it rejects) is
-refused by the decode worker's engine when asked to reserve, before it reserves anything, and
-the router answers the same 400 naming the field. Structured outputs themselves are served
+refused by the prefill worker's engine before it asks the decode worker to reserve anything,
+and the router answers the same 400 naming the field. Structured outputs themselves are served
 through this cluster by ``test_structured_outputs_through_prefill_and_decode``
 (tests/integration/structured_checks.py; the colocated router runs the same checks).
 
@@ -156,7 +156,7 @@ HTTP_ROWS = [
     HttpRow("schema keyword not enforced", {"prompt": "hi", "guided_json": {"type": "object", "not": {}}}, 400,
             "guided_json"),
     HttpRow("choice that is not a list", {"prompt": "hi", "guided_choice": "yes"}, 400, "guided_choice"),
-    # ... and what only the decode worker's grammar engine can (refused before it reserves a block)
+    # ... and what only a grammar engine can: the prefill worker's, before any block is reserved
     HttpRow("invalid JSON schema", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}}, 400,
         "response_format.json_schema"),
