@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 import grpc
 import jsonschema
-import openai
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
+
+if TYPE_CHECKING:  # imported where used: without the client only these checks fail, not their modules
+    import openai
 
 PROMPT = "Answer in JSON. Describe something."
 MAX_TOKENS = 60
@@ -44,6 +47,8 @@ CHOICES = ["cat", "dog", "bird"]
 
 
 def client(http_address: str) -> openai.OpenAI:
+    import openai  # the test extras' (pyproject.toml)
+
     return openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -153,6 +158,8 @@ BAD = [  # (extra body, the field the 400 names, words of its message)
 
 def bad_constraints_get_400_and_the_server_keeps_serving(api: openai.OpenAI, model: str) -> None:
     """Each BAD row over completions, and one over a streamed chat: the 400 comes before the stream."""
+    import openai
+
     calls = [(lambda extra=extra: api.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra),
               param, words) for extra, param, words in BAD]
     calls.append((lambda: api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
