@@ -109,10 +109,11 @@ def sampled_and_streamed_output_validates(api: openai.OpenAI, model: str) -> Non
 
 
 def choice(api: openai.OpenAI, model: str) -> None:
+    """n = 2 samples, each with its own matcher (the disaggregated router sends them as 2 requests)."""
     reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Best pet?"}],
-                                        max_tokens=6, temperature=1, seed=3,
+                                        max_tokens=6, temperature=1, seed=3, n=2,
                                         extra_body={"structured_outputs": {"choice": CHOICES}})
-    assert reply.choices[0].message.content in CHOICES, reply.choices[0]
+    assert len(reply.choices) == 2 and all(c.message.content in CHOICES for c in reply.choices), reply.choices
 
 
 def json_object_regex_and_choice(api: openai.OpenAI, model: str) -> None:
