@@ -140,3 +140,44 @@ def test_history_rendered_for_a_template_without_tools():
         render_messages([{"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "add", "arguments": "{oops"}}]}], [])
     assert info.value.param == "messages[0].tool_calls[0].function.arguments"
+
+
+def _stream(reply, text):
+    """The delta fields of ``text`` fed a character at a time, then the finish."""
+    fields = [reply.delta(ch) for ch in text] + [reply.finish()]
+    return [f for f in fields if f]
+
+
+def test_replies_whole_and_streamed_per_choice():
+    from services.router.tools.reply import ToolReply
+
+    tools = parse_tools(TOOLS)
+    said = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    message, finish = ToolReply(ToolChoice("auto"), tools).message(said, "stop")
+    assert finish == "tool_calls" and message["content"] == "Sure."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("add", '{"a": 1, "b": 2}')]
+    assert ToolReply(ToolChoice("auto"), tools).message("Just text.", "stop") == (
+        {"role": "assistant", "content": "Just text."}, "stop")
+    streamed = _stream(ToolReply(ToolChoice("auto"), tools), said)
+    assert "".join(f.get("content", "") for f in streamed) == "Sure. "
+    calls = [c for f in streamed for c in f.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "add"
+
+    array = '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]'
+    message, finish = ToolReply(ToolChoice("required"), tools).message(array, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    reply = ToolReply(ToolChoice("required"), tools)
+    assert _stream(reply, array)[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert reply.finish_reason("stop") == "tool_calls"
+    cut = ToolReply(ToolChoice("required"), tools)
+    assert _stream(cut, array[:20]) == [{"content": array[:20]}] and cut.finish_reason("length") == "length"
+
+    arguments = '{"a": 4, "b": 5}'
+    message, finish = ToolReply(ToolChoice("function", "add"), tools).message(arguments, "stop")
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {"name": "add", "arguments": arguments}
+    streamed = _stream(ToolReply(ToolChoice("function", "add"), tools), arguments)
+    assert streamed[0]["tool_calls"][0]["function"]["name"] == "add"
+    assert "".join(f["tool_calls"][0]["function"]["arguments"] for f in streamed) == arguments
+    assert all(f["tool_calls"][0]["index"] == 0 for f in streamed)
