@@ -199,3 +199,27 @@ def test_bad_input_raises_naming_the_field_and_holds_nothing(llm, constraint, fi
     assert not core.has_unfinished_requests()
     assert core.block_pool.num_free_blocks == free_before
     core.check_integrity()
+
+
+def test_required_and_named_tool_calls_decode_to_valid_arguments(llm):
+    """tool_choice required / a named function (services/router/tools) at temperature 1, so the
+    model's own preference decides nothing: the constraint alone makes every call valid."""
+    from services.router.tools.calls import calls_from_required
+    from services.router.tools.spec import ToolChoice, parse_tools, tool_constraint
+    from tests.unit.test_tools import ADD, NAMES, TOOLS, WEATHER
+
+    tools = parse_tools(TOOLS)
+    schemas = {"get_weather": WEATHER, "add": ADD}
+    # one call per reply (parallel_tool_calls false): a sampled array may grow to max_tokens
+    required = SamplingParams(temperature=1.0, seed=3, max_tokens=48, n=3,
+                              structured_outputs=tool_constraint(ToolChoice("required"), tools, parallel=False))
+    named = SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=3,
+                           structured_outputs=tool_constraint(ToolChoice("function", "get_weather"), tools))
+    replies = llm.generate(["Call a tool.", "Call a tool."], [required, named])
+    assert [len(r.outputs) for r in replies] == [3, 3]
+    for output in replies[0].outputs:
+        calls = calls_from_required(output.text, NAMES)
+        assert len(calls) == 1, output.text
+        jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+    for output in replies[1].outputs:
+        jsonschema.validate(json.loads(output.text), WEATHER)

@@ -264,6 +264,7 @@ def test_no_import_cycles_between_modules():
 ROUTER_ROOMS = [
     {"__main__", "app", "limit_flags", "client"},
     {"http", "grpc"},
+    {"tools"},
     {"pipeline"},
     {"backends"},
     {"routing"},

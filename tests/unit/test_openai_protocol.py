@@ -135,7 +135,9 @@ def test_chat_defaults():
     ({"messages": [{"role": "user", "content": 5}]}, "messages", "string or a list"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "boolean"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function",
+     "must be an object"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions", "use tools"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format", "text"),
 ])
@@ -173,3 +175,31 @@ def test_chat_logprobs_shape():
     body = chat_logprobs_json([PositionLogprobs(3, -math.inf, 2, [(1, -0.1)])], TEXT.__getitem__)
     assert body == {"content": [{"token": "d", "logprob": NEG_INF_LOGPROB, "bytes": [100],
                                  "top_logprobs": [{"token": "a", "logprob": -0.1, "bytes": [97]}]}]}
+
+
+def test_chat_request_with_tools_renders_them_and_constrains_required_calls():
+    from services.router.tools.spec import ToolChoice
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    body = {"messages": [{"role": "user", "content": "1+1?"}], "tools": [tool]}
+    auto = parse_chat_request(body)
+    assert auto.tool_choice == ToolChoice("auto") and [t.name for t in auto.tools] == ["add"]
+    assert auto.messages[0]["role"] == "system" and '"name": "add"' in auto.messages[0]["content"]
+    assert auto.params.structured_outputs is None  # auto: free text, parsed for <tool_call> blocks
+    required = parse_chat_request({**body, "tool_choice": "required", "parallel_tool_calls": False})
+    assert required.params.structured_outputs is not None and required.params.structured_outputs.field == "tools"
+    assert required.params.structured_outputs.json["maxItems"] == 1
+    named = parse_chat_request({**body, "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert named.params.structured_outputs.json == tool["function"]["parameters"]
+    none = parse_chat_request({**body, "tool_choice": "none"})
+    assert none.tool_choice == ToolChoice("none") and none.messages == body["messages"]  # tools not offered
+    history = parse_chat_request({"messages": [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]})
+    assert [m["role"] for m in history.messages] == ["user", "assistant", "user"]
+    assert "<tool_call>" in history.messages[1]["content"] and "<tool_response>" in history.messages[2]["content"]
+    plain = parse_chat_request({"messages": [{"role": "user", "content": "hi", "name": "ann"}]})
+    assert plain.messages == [{"role": "user", "content": "hi", "name": "ann"}]  # untouched without tools

@@ -7,24 +7,11 @@ import time
 
 import pytest
 
-from engine.models.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
 from engine.structured.compiler import NO_CONSTRAINT, ConstraintCompiler
 from engine.structured.errors import StructuredOutputError
 from engine.structured.params import StructuredOutputsParams as S
 from engine.structured.protocol import NO_MATCHER
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = ConstraintCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    yield compiler
-    compiler.close()
 
 
 def test_no_constraint_compiles_to_the_null_matcher(compiler):

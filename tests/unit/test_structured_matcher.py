@@ -5,26 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import bitmask_width, unpack_bitmask
-from engine.structured.compiler import ConstraintCompiler
 from engine.structured.params import StructuredOutputsParams as S
 from engine.structured.protocol import NO_MATCHER
 
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = ConstraintCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    yield compiler
-    compiler.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ field, since no tokenizer can encode it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -24,6 +25,8 @@ from typing import Any
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.router.errors import InvalidRequest
 from services.router.http.structured import structured_outputs_of
+from services.router.tools.render import render_messages
+from services.router.tools.spec import Tool, ToolChoice, parse_tool_choice, parse_tools, tool_constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 
@@ -51,6 +54,8 @@ class OpenAIRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     timeout_s: float | None = None  # the whole request's budget (None: no deadline)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")  # services/router/tools
 
     @property
     def is_chat(self) -> bool:
@@ -100,9 +105,12 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
         if body.get(name) is not None:
             raise InvalidRequest(f"{name} is not accepted: the server renders chats with the "
                                  "model's own template only", name)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise InvalidRequest(f"{name} are not supported", name)
+    if body.get("functions"):
+        raise InvalidRequest("functions (deprecated) are not supported: use tools", "functions")
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages = render_messages(messages, tools if tool_choice.mode != "none" else [])
     top_logprobs = _get(body, "top_logprobs", int, None)
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}",
@@ -117,9 +125,16 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
     params = _sampling_params(body, max_tokens, logprobs)
+    constraint = tool_constraint(tool_choice, tools, _get(body, "parallel_tool_calls", bool, True))
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequest(f"tool_choice {tool_choice.mode!r} decodes the tool call under its own "
+                                 "schema: it cannot be combined with response_format or structured_outputs",
+                                 "tool_choice")
+        params = dataclasses.replace(params, structured_outputs=constraint)
     return OpenAIRequest(messages=messages, params=params,
                          add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
-                         **_common(body))
+                         tools=tuple(tools), tool_choice=tool_choice, **_common(body))
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from services.router.http.protocol import OpenAIRequest
 from services.router.pipeline.frontend import Frontend
 from services.router.pipeline.generation import Generation, SampleDelta, Usage
+from services.router.tools.reply import ToolReply
 
 if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
     from engine.sampling.logprobs import PositionLogprobs
@@ -46,6 +47,9 @@ class ResponseRenderer:
         self.finish: list[tuple[str | None, str | int | None]] = [(None, None)] * n
         self.text_offsets = [0] * n  # completions logprobs: where the next token's text starts
         self.has_sent_prompt_ids = False
+        # a chat with a tool choice: each choice's text becomes content and tool_calls
+        self.tool_replies = ([ToolReply(api.tool_choice, list(api.tools)) for _ in range(n)]
+                             if api.tool_choice.mode != "none" else None)
 
     def add(self, delta: SampleDelta) -> None:
         i = delta.index
@@ -60,7 +64,9 @@ class ResponseRenderer:
         for i, text in enumerate(self.texts):
             finish_reason, stop_reason = self.finish[i]
             choice: dict[str, Any] = {"index": i}
-            if self.api.is_chat:
+            if self.tool_replies is not None:
+                choice["message"], finish_reason = self.tool_replies[i].message(text, finish_reason)
+            elif self.api.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -87,12 +93,22 @@ class ResponseRenderer:
         if not delta.text and delta.finish_reason is None and not wants_tokens:
             return None
         choice: dict[str, Any] = {"index": delta.index}
-        if self.api.is_chat:
+        finish_reason = delta.finish_reason
+        if self.tool_replies is not None:
+            reply = self.tool_replies[delta.index]
+            fields = reply.delta(delta.text)
+            if finish_reason is not None:
+                fields = _merged(fields, reply.finish())
+                finish_reason = reply.finish_reason(finish_reason)
+            if fields is None and finish_reason is None and not wants_tokens:
+                return None
+            choice["delta"] = fields or {}
+        elif self.api.is_chat:
             choice["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         else:
             choice["text"] = delta.text
         choice["logprobs"] = self._logprobs(delta.index, delta.logprobs or [])
-        choice |= {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        choice |= {"finish_reason": finish_reason, "stop_reason": delta.stop_reason}
         if self.api.return_token_ids:
             choice["token_ids"] = delta.token_ids
             if not self.has_sent_prompt_ids:
@@ -119,6 +135,18 @@ class ResponseRenderer:
         body = completion_logprobs_json(entries, self.token_text, self.text_offsets[index])
         self.text_offsets[index] += sum(len(token) for token in body["tokens"])
         return body
+
+
+def _merged(first: dict[str, Any] | None, last: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two sets of delta fields in one: contents joined, tool_calls in order."""
+    if not first or not last:
+        return first or last
+    merged = dict(first)
+    if "content" in last:
+        merged["content"] = merged.get("content", "") + last["content"]
+    if "tool_calls" in last:
+        merged["tool_calls"] = merged.get("tool_calls", []) + last["tool_calls"]
+    return merged
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
