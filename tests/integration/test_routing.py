@@ -13,6 +13,7 @@ it, and a router started with ``--redis-url --debug-route`` (each reply's traili
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import grpc
@@ -101,6 +102,25 @@ def test_every_path_matches_offline_greedy(cluster, llm):
     expected = [c.outputs[0].token_ids for c in llm.generate([fresh, delta, local], GREEDY)]
     assert [r[0] for r in results] == expected
     assert results[2][2] >= 192  # the local request reused the decode worker's cache
+
+
+def test_a_constraint_is_rebuilt_on_every_path(cluster, llm):
+    """Structured outputs on the remote path (prefill worker, then the decode worker's matcher
+    catching up) and the local one (the decode worker's Generate): the offline engine's tokens."""
+    _, router = cluster
+    constrained = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"regex": "[0-9]{3}-[0-9]{4}"})
+    fresh = tokens(5, 200)
+    local = fresh + tokens(6, 20)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            return [await generate(channel, p, constrained) for p in (fresh, local)]
+
+    results = asyncio.run(scenario())
+    assert [r[1].split("/")[0] for r in results] == ["remote", "local"], [r[1] for r in results]
+    expected = [c.outputs[0] for c in llm.generate([fresh, local], constrained)]
+    assert [r[0] for r in results] == [list(e.token_ids) for e in expected]
+    assert all(re.fullmatch("[0-9]{3}-[0-9]{4}", e.text) for e in expected), [e.text for e in expected]
 
 
 def test_requests_sharing_a_prefix_go_to_the_worker_holding_it(cluster):
