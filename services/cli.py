@@ -4,6 +4,7 @@
     pdserve serve router|prefill|decode|kvstore [...]
     pdserve serve ray --config app.yaml  (the Ray Serve application: services/ray/)
     pdserve generate "prompt" [--stream] [--max-tokens N] [--temperature T] [--seed S]
+                     [--json-schema S | --json-object | --regex R | --choice C ... | --grammar G]
     pdserve health HOST:PORT | http://HOST:PORT/health  (exit 0 when SERVING / 200)
     pdserve bench engine|kernels|serve|spec|kv|disagg|routing|prefix|offload|soak [...]  (loadtests/bench_*.py)
     pdserve bench load|compare [...]  (loadtests/load/: scenarios, goodput at SLO, plots)

@@ -2,6 +2,8 @@
 
     pdserve generate "The capital of France is" --stream --max-tokens 32
     pdserve generate "Say hi" --chat --temperature 0.7 --seed 1 --address 127.0.0.1:50051
+    pdserve generate "Phone:" --regex '[0-9]{3}-[0-9]{4}'    # or --json-schema '{...}', --json-object,
+                                                             # --choice yes --choice no, --grammar
     PDSERVE_API_KEY=sk-... pdserve generate "Hello"   # a router with API keys (or --api-key)
 
 Prints the completion (as it arrives with ``--stream``); the token counts go to stderr, and with
@@ -38,6 +40,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--timings", action="store_true",
                      help="print the route and TTFT breakdown by stage to stderr (the router "
                           "must run with --debug-route)")
+    constraint = parser.add_mutually_exclusive_group()  # structured outputs: one constraint at most
+    constraint.add_argument("--json-schema", help="the output is JSON matching this schema (its JSON text)")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", help="the output matches this regular expression")
+    constraint.add_argument("--choice", action="append", help="the output is one of these (repeat the flag)")
+    constraint.add_argument("--grammar", help="the output matches this EBNF grammar (GBNF: root ::= ...)")
     add_env_argument(parser, "--api-key", default="",
                      help="the router's API key, sent as 'authorization: Bearer KEY' (a "
                           "comma-separated list: the first; prefer the env, argv shows in ps)")
@@ -52,6 +60,10 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         params.temperature = args.temperature
     if args.seed is not None:
         params.seed = args.seed
+    if args.json_schema or args.json_object or args.regex or args.choice or args.grammar:
+        params.structured_outputs.CopyFrom(generate_pb2.StructuredOutputs(
+            json=args.json_schema, json_object=args.json_object or None, regex=args.regex, grammar=args.grammar,
+            choice=generate_pb2.Choices(choices=args.choice) if args.choice else None))
     if args.chat:
         chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=args.prompt)])
         return generate_pb2.GenerateRequest(chat=chat, sampling_params=params)
