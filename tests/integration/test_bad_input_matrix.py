@@ -39,7 +39,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
-from tests.integration import structured_checks
+from tests.integration import structured_checks, tool_checks
 from tests.integration.cluster_fixtures import (
     oracle_llm,
     start_router,
@@ -367,6 +367,10 @@ def test_structured_outputs_through_prefill_and_decode(cluster, llm):
     structured_checks.chat_streamed_at_temperature_1_validates(api, model)
     structured_checks.choice(api, model)
     structured_checks.grpc_regex(cluster["channel"])
+    # tool calls decode under the tools' schemas across the split (the auto round trip's prompt
+    # is longer than this cluster's context: the colocated router runs it)
+    tool_checks.required_and_named_calls_validate(api, model)
+    tool_checks.bad_tools_get_400_and_the_server_keeps_serving(api, model)
     assert_idle(cluster)
 
 

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration import structured_checks
+from tests.integration import structured_checks, tool_checks
 from tests.integration.cluster_fixtures import oracle_llm
 
 pytestmark = pytest.mark.slow
@@ -477,4 +477,14 @@ def test_structured_outputs_validate_streamed_and_sampled(router):
 def test_bad_constraints_get_400_naming_the_field(router):
     structured_checks.bad_constraints_get_400_and_the_server_keeps_serving(
         structured_checks.client(router.http), router.model)
+    assert wait_until_idle(router).num_free_blocks == stats(router).num_total_blocks
+
+
+# ---- tool calling (tests/integration/tool_checks.py; the 1P1D cluster runs them too) --------------
+
+def test_tool_calls_validate_and_a_result_round_trips(router):
+    api = structured_checks.client(router.http)
+    tool_checks.required_and_named_calls_validate(api, router.model)
+    tool_checks.auto_round_trips_a_tool_result(api, router.model)
+    tool_checks.bad_tools_get_400_and_the_server_keeps_serving(api, router.model)
     assert wait_until_idle(router).num_free_blocks == stats(router).num_total_blocks

@@ -23,11 +23,8 @@ from services.router.errors import InvalidRequest
 from services.router.tools.spec import Tool
 
 INSTRUCTIONS = (
-    "You can call functions. Their signatures are listed as JSON between <tools> and </tools>:\n"
-    "<tools>\n{tools}\n</tools>\n"
-    "To call one, write a JSON object with the function's name and its arguments between "
-    "<tool_call> and </tool_call>, one block per call:\n"
-    "<tool_call>\n{{\"name\": <function name>, \"arguments\": <arguments object>}}\n</tool_call>")
+    "You may call these functions (JSON signatures):\n<tools>\n{tools}\n</tools>\n"
+    "To call one, write <tool_call>\n{{\"name\": <function name>, \"arguments\": <object>}}\n</tool_call>")
 
 
 def render_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, str]]:
