@@ -26,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import finish_from_proto, params_to_proto
 from services.router.backends.disaggregated import DisaggregatedBackend
+from tests.integration import structured_checks, tool_checks
 from tests.integration.cluster_fixtures import (
     oracle_llm,
     prefill_into_receiver,
@@ -190,6 +191,18 @@ def test_http_streaming_and_not_match_offline(cluster, llm, prompt_ids, transfer
         assert plain_ids == want_ids and streamed_ids == want_ids
         assert streamed_text == plain_text == llm.tokenizer.decode(want_ids)
     assert_no_leaks(cluster)
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "nixl"])
+def test_structured_outputs_and_tool_calls_over_each_transfer(cluster, llm, transfer):
+    """Greedy constrained output is the offline engine's over either KV transfer; sampled,
+    streamed output and tool calls validate (tests/integration/structured_checks.py, tool_checks.py)."""
+    port = router(cluster, transfer).args[router(cluster, transfer).args.index("--http-port") + 1]
+    api = structured_checks.client(f"127.0.0.1:{port}")
+    model = api.models.list().data[0].id
+    structured_checks.greedy_matches_the_offline_engine(api, model, llm)
+    structured_checks.chat_streamed_at_temperature_1_validates(api, model)
+    tool_checks.required_and_named_calls_validate(api, model)
 
 
 def test_salted_requests_end_to_end_and_an_over_long_salt_is_refused(cluster, llm, prompt_ids):
