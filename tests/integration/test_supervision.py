@@ -1,5 +1,6 @@
 """``pdserve up`` outlives a worker: 1 prefill + 2 decode workers (gRPC KV transfer), a decode
-worker SIGKILLed under load is restarted on its port, no request fails, and requests sent right
+worker SIGKILLed under load is restarted on its port, no request fails (two of the four streams
+decode under a JSON schema: they migrate, stay exact and validate), and requests sent right
 after the kill are served. Then the other decode worker is killed: the requests sent right after
 it can only be served by the restarted one, so the router reaches it again. ``up`` logs each death
 and restart, and still exits 0 on SIGTERM (a restart in progress included), leaving no process.
@@ -10,6 +11,7 @@ Bounded: a handful of short greedy streams; every wait has a limit.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -30,7 +33,13 @@ from tests.integration.cluster_fixtures import free_port
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(300 + 7 * i, 340 + 7 * i)) for i in range(4)]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# two plain greedy streams and two under a JSON schema: a constrained stream that migrates to the
+# other decode worker goes on under the matcher rebuilt from its tokens so far
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"]}
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [
+    SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": SCHEMA})] * 2
 STEP_TIMEOUT_S = 240.0  # each wait (ready, a restart) on a busy 2-core machine
 
 
@@ -85,15 +94,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _stream(channel: grpc.aio.Channel, prompt: list[int], started: asyncio.Event | None = None) -> list[int]:
+async def _stream(channel: grpc.aio.Channel, prompt: list[int], params: SamplingParams,
+                  started: asyncio.Event | None = None) -> list[int]:
     call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(
-        prompt_token_ids=generate_pb2.TokenIds(ids=prompt), sampling_params=params_to_proto(PARAMS)),
+        prompt_token_ids=generate_pb2.TokenIds(ids=prompt), sampling_params=params_to_proto(params)),
         timeout=STEP_TIMEOUT_S)
     tokens: list[int] = []
+    text = ""
     async for chunk in call:
         tokens += chunk.token_ids
+        text += chunk.text
         if started is not None and len(tokens) >= 3:
             started.set()
+    if params.structured_outputs is not None:
+        jsonschema.validate(json.loads(text), SCHEMA)
     return tokens
 
 
@@ -102,16 +116,16 @@ async def _load_with_kill(address: str, pid: int) -> tuple[list[list[int]], list
     prompt again at once. Both rounds' tokens."""
     async with grpc.aio.insecure_channel(address) as channel:
         started = [asyncio.Event() for _ in PROMPTS]
-        during = [asyncio.ensure_future(_stream(channel, p, e)) for p, e in zip(PROMPTS, started)]
+        during = [asyncio.ensure_future(_stream(channel, p, q, e)) for p, q, e in zip(PROMPTS, PARAMS, started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), STEP_TIMEOUT_S)
         os.kill(pid, signal.SIGKILL)
-        after = [asyncio.ensure_future(_stream(channel, p)) for p in PROMPTS]
+        after = [asyncio.ensure_future(_stream(channel, p, q)) for p, q in zip(PROMPTS, PARAMS)]
         return list(await asyncio.gather(*during)), list(await asyncio.gather(*after))
 
 
 async def _all(address: str) -> list[list[int]]:
     async with grpc.aio.insecure_channel(address) as channel:
-        return list(await asyncio.gather(*(_stream(channel, p) for p in PROMPTS)))
+        return list(await asyncio.gather(*(_stream(channel, p, q) for p, q in zip(PROMPTS, PARAMS))))
 
 
 def test_a_killed_decode_worker_is_restarted_and_no_request_fails(tmp_path):
