@@ -26,7 +26,7 @@ from engine.runner.memory import gpu_kv_blocks
 from engine.runner.warmup import warm_up
 from engine.sampling.logprobs import PositionLogprobs, compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata, takes_argmax
-from engine.sampling.sampler import Sampler, argmax_rows
+from engine.sampling.sampler import Sampler, argmax_rows, tokens_or_none
 from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.verify import verify_drafts
 from engine.structured.bitmask import build_grammar_mask
@@ -175,8 +175,7 @@ class ModelRunner:
             # sampling was ~0.1 ms of it), from the decode graph where it ran (one copy, no
             # launch); a non-finite row takes the full path, which names it
             if greedy is not None and in_order:
-                copied = greedy.tolist()
-                token_ids = None if min(copied, default=0) < 0 else copied
+                token_ids = tokens_or_none(greedy)
             else:
                 token_ids = self._argmax_rows(row_logits)
             if token_ids is not None:

@@ -67,7 +67,13 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     full sampler then raises, naming the request). What ``Sampler`` returns for rows that
     ``metadata.takes_argmax``, without building their metadata. One device-to-host copy: a
     row without a finite maximum comes back as -1."""
-    tokens = greedy_tokens(logits).tolist()  # one device-to-host copy
+    return tokens_or_none(greedy_tokens(logits))
+
+
+def tokens_or_none(greedy: torch.Tensor) -> list[int] | None:
+    """``greedy_tokens``' result as a list (one device-to-host copy), or None when some row had
+    no finite maximum (-1)."""
+    tokens: list[int] = greedy.tolist()
     return None if min(tokens, default=0) < 0 else tokens
 
 
