@@ -72,9 +72,14 @@ def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(tmp_p
         wait_serving([store, prefill, decode])
         cold = {name: asyncio.run(asyncio.wait_for(run(name), 120)) for name in PROMPTS}
         assert all(len(tokens) == 3 for tokens in cold.values())
-        # C pushed A out of both workers' device (B) and host tiers: the store has A's blocks.
+        # C pushed A out of both workers' device (B) and host tiers: the store has A's 3 blocks
+        # (once: both workers push the same hashes). The pushes are asynchronous: wait for them.
+        def pushed() -> bool:
+            return kvstore_blocks(store.address) >= 3 and all(
+                tier(w, worker_pb2.CACHE_TIER_KVSTORE).num_offloaded_bytes > 0 for w in (prefill, decode))
+
         deadline = time.monotonic() + 30
-        while kvstore_blocks(store.address) < 6 and time.monotonic() < deadline:
+        while not pushed() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert kvstore_blocks(store.address) >= 3
         before = [tier(w, worker_pb2.CACHE_TIER_KVSTORE) for w in (prefill, decode)]
