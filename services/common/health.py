@@ -58,7 +58,8 @@ async def check_health(address: str, service: str = OVERALL, timeout_s: float = 
     async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        return reply.status
+        status: int = reply.status
+        return status
 
 
 async def wait_until_serving(address: str, timeout_s: float = 30.0, service: str = OVERALL) -> None:

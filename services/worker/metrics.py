@@ -127,6 +127,7 @@ class EngineCollector(Collector):
         for name, (doc, field) in per_tier.items():
             family = CounterMetricFamily(name, doc, labels=(*LABELS, "tier"))
             for tier in tiers:
+                assert tier.tier.name is not None  # one tier per TierStats, never a combination of flags
                 family.add_metric([*self.labels, tier.tier.name.lower()], getattr(tier, field))
             yield family
         yield self._counter("vllm:kv_offload_store_bytes", "Bytes offloaded device -> host.",
