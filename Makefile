@@ -38,6 +38,9 @@ up: $(STAMP)
 # Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/ and kernels/.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	# mypy reads the protobuf messages' types from the .pyi files protoc writes into the gitignored
+	# services/common/gen/: generate them first (a no-op when they are fresh).
+	$(PY) -m services.common.protogen
 	$(PY) -m mypy
 
 test: lint
