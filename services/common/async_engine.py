@@ -28,6 +28,7 @@ from engine.stats import EngineStats, Sendable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.005  # how long the loop sleeps when nothing is schedulable
+OutputQueue = asyncio.Queue[RequestOutput | BaseException]  # one request's outputs, or why it died
 
 
 class EngineDead(RuntimeError):
@@ -42,7 +43,7 @@ class AsyncEngine:
         self._core = core
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -183,11 +184,11 @@ class AsyncEngine:
             if finished < params.n and self.is_alive:
                 await self.call(lambda core: core.abort_request(request_id))
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+    def subscribe(self, request_id: str) -> OutputQueue:
         """Route outputs of ``request_id`` (and of its samples) to a new queue."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: OutputQueue = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
 
@@ -195,7 +196,7 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
 
     @staticmethod
-    async def next_output(queue: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput:
+    async def next_output(queue: OutputQueue) -> RequestOutput:
         item = await queue.get()
         if isinstance(item, BaseException):
             raise item

@@ -90,7 +90,8 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             request_id=request_id, dst_block_ids=list(dst_block_ids),
             compat_hash=local.compat.hash, dtype=local.compat.dtype,
             block_shape=list(local.compat.block_shape), total_bytes=packed.numel(),
-            sender_agent_name=self.agent_name, crc32=zlib.crc32(packed.numpy()))
+            # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (we check as 3.10)
+            sender_agent_name=self.agent_name, crc32=zlib.crc32(packed.numpy()))  # type: ignore[arg-type]
         handle = TransferHandle(request_id=request_id, num_blocks=len(src_block_ids))
         self._pushes[handle.transfer_id] = self._pool.submit(
             self._push, remote.address, header, packed)
@@ -132,4 +133,5 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
                 yield kv_pb2.PushBlocksChunk(offset=offset, data=faults().kv_corrupted(data))
 
         stub = kv_pb2_grpc.KVTransferServiceStub(self._channel(address))
-        return stub.PushBlocks(chunks(), timeout=self.timeout_s)
+        ack: kv_pb2.PushBlocksAck = stub.PushBlocks(chunks(), timeout=self.timeout_s)
+        return ack
