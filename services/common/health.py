@@ -18,8 +18,8 @@ from grpc_health.v1._async import HealthServicer
 from services.common.channels import internal_channel, public_aio_channel
 from services.common.internal_auth import InternalAuth
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING: int = health_pb2.HealthCheckResponse.SERVING  # typed here: grpc_health is untyped to mypy
+NOT_SERVING: int = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # The service name a client checks to mean "the whole server".
 OVERALL = ""
