@@ -35,7 +35,8 @@ $(STAMP): pyproject.toml Makefile
 up: $(STAMP)
 	$(PY) -m services.cli up
 
-# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/ and kernels/.
+# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/, kernels/
+# and services/ (not services/common/gen/, protoc's output: see pyproject.toml).
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	# mypy reads the protobuf messages' types from the .pyi files protoc writes into the gitignored

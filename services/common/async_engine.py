@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -167,7 +167,7 @@ class AsyncEngine:
         self._kv_event_sink = sink
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until every sample finished. Closing the
         iterator early (client gone, stop string) aborts the request in the engine."""
         await self.compile_constraint(params)
