@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from google.protobuf.descriptor import FileDescriptor
 
@@ -139,7 +139,7 @@ def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams; values are checked later by the engine (ValueError).
     ``spaces_between_special_tokens`` is accepted and ignored (the tokenizer has no such
     switch)."""
-    kwargs: dict[str, object] = {
+    kwargs: dict[str, Any] = {  # SamplingParams' keyword arguments
         "n": msg.n if msg.HasField("n") else 1,
         "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else None,
         "min_tokens": msg.min_tokens,
@@ -158,7 +158,7 @@ def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
             kwargs[name] = shortest_float32(value) if name in _FLOATS else value
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return SamplingParams(**kwargs)
 
 
 def structured_to_proto(so: StructuredOutputsParams) -> generate_pb2.StructuredOutputs:
@@ -180,13 +180,13 @@ def structured_to_proto(so: StructuredOutputsParams) -> generate_pb2.StructuredO
 def structured_from_proto(msg: generate_pb2.StructuredOutputs) -> StructuredOutputsParams:
     """No kind set reads as a constraint with none, which the engine refuses naming the field."""
     kind = msg.WhichOneof("kind")
-    kwargs: dict[str, object] = {"strict": msg.strict if msg.HasField("strict") else True,
+    kwargs: dict[str, Any] = {"strict": msg.strict if msg.HasField("strict") else True,
                                  "field": msg.field or None}
     if kind == "choice":
         kwargs["choice"] = list(msg.choice.choices)
     elif kind is not None:
         kwargs[kind] = getattr(msg, kind)
-    return StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
+    return StructuredOutputsParams(**kwargs)
 
 
 # ---- finish reasons and logprobs -----------------------------------------------------------

@@ -87,7 +87,7 @@ class ServiceReplica:
 class PrefillReplica(ServiceReplica):
     role = "prefill"
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         super().__init__(args, address_book)
         await self._start()
 
@@ -95,7 +95,7 @@ class PrefillReplica(ServiceReplica):
 class DecodeReplica(ServiceReplica):
     role = "decode"
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         super().__init__(args, address_book)
         await self._start()
 
@@ -103,6 +103,6 @@ class DecodeReplica(ServiceReplica):
 class KVStoreReplica(ServiceReplica):
     role = "kvstore"
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         super().__init__(args, address_book)
         await self._start()

@@ -33,7 +33,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(config):
             # A group, not the parser that add_env_argument expects: a malformed PDSERVE_* value
             # reaches group.error, which does not exist (AttributeError, not a usage error). Known.
-            add_env_argument(group, _flag(f.name), type=int, default=f.default,  # type: ignore[arg-type]
+            add_env_argument(group, _flag(f.name), type=int, default=f.default,  # type: ignore[arg-type]  # see above
                              help=f"{f.metadata['help']} (default {f.default})")
 
 

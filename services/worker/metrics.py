@@ -139,10 +139,11 @@ class EngineCollector(Collector):
         spec = self.engine.spec_stats()
         if spec is None:
             return
-        proposed = list(spec["num_proposed_per_position"])  # type: ignore[call-overload]
-        accepted = list(spec["num_accepted_per_position"])  # type: ignore[call-overload]
+        # spec_stats() is the engine's dict[str, object]: these two keys hold list[int], that one an int
+        proposed = list(spec["num_proposed_per_position"])  # type: ignore[call-overload]  # see above
+        accepted = list(spec["num_accepted_per_position"])  # type: ignore[call-overload]  # see above
         yield self._counter("vllm:spec_decode_num_drafts", "Verification steps that had drafts.",
-                            int(spec["num_spec_steps"]))  # type: ignore[call-overload]
+                            int(spec["num_spec_steps"]))  # type: ignore[call-overload]  # see above
         yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", sum(proposed))
         yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", sum(accepted))
         family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",

@@ -136,7 +136,8 @@ class Generation:
             return await awaitable
         loop = asyncio.get_running_loop()
         # asyncio.timeout_at is Python >= 3.11 (the Dockerfile's) but requires-python says >= 3.10
-        timeout = asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic()))  # type: ignore[attr-defined]
+        when = loop.time() + (self.deadline - time.monotonic())
+        timeout = asyncio.timeout_at(when)  # type: ignore[attr-defined]  # 3.11+: see above
         try:
             async with timeout:
                 return await awaitable
