@@ -35,9 +35,13 @@ $(STAMP): pyproject.toml Makefile
 up: $(STAMP)
 	$(PY) -m services.cli up
 
-# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/ and kernels/.
+# Static checks first (seconds with mypy's cache): ruff on the tree, mypy --strict on engine/, kernels/
+# and services/ (not services/common/gen/, protoc's output: see pyproject.toml).
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	# mypy reads the protobuf messages' types from the .pyi files protoc writes into the gitignored
+	# services/common/gen/: generate them first (a no-op when they are fresh).
+	$(PY) -m services.common.protogen
 	$(PY) -m mypy
 
 test: lint

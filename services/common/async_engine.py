@@ -12,12 +12,15 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
+
+import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache.events import KVCacheEvent
+from engine.models.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.stats import EngineStats, Sendable
@@ -25,6 +28,7 @@ from engine.stats import EngineStats, Sendable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.005  # how long the loop sleeps when nothing is schedulable
+OutputQueue = asyncio.Queue[RequestOutput | BaseException]  # one request's outputs, or why it died
 
 
 class EngineDead(RuntimeError):
@@ -36,10 +40,10 @@ class AsyncEngine:
     (what services do: see ``build``)."""
 
     def __init__(self, core: EngineCore | None = None) -> None:
-        self.core = core
+        self._core = core
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -64,16 +68,16 @@ class AsyncEngine:
         (the event loop's, an executor's) made every decode step of a 2-thread engine on 2
         cores 31.5 ms instead of 21 ms (``pdserve up --colocated``: ITL 1.43x the offline
         engine's per-token time)."""
-        self._loop = asyncio.get_running_loop()
-        built: asyncio.Future[EngineCore] = self._loop.create_future()
+        self._loop = loop = asyncio.get_running_loop()
+        built: asyncio.Future[EngineCore] = loop.create_future()
 
         def build_then_run() -> None:
             try:
-                self.core = make_core()
+                self._core = make_core()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self._loop.call_soon_threadsafe(_set_exception, built, e)
+                loop.call_soon_threadsafe(_set_exception, built, e)
                 return
-            self._loop.call_soon_threadsafe(_set_result, built, self.core)
+            loop.call_soon_threadsafe(_set_result, built, self._core)
             self._run()
 
         self._thread = threading.Thread(target=build_then_run, name="engine-loop", daemon=True)
@@ -95,15 +99,27 @@ class AsyncEngine:
     # thread); everything that changes the engine goes through call().
 
     @property
+    def core(self) -> EngineCore:
+        """The core given to the constructor or built by ``build``; nothing below runs before."""
+        assert self._core is not None, "AsyncEngine used before it has a core (see build)"
+        return self._core
+
+    @property
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop ``start`` or ``build`` ran on: handlers' results are handed back on it."""
+        assert self._loop is not None, "AsyncEngine used before start() or build()"
+        return self._loop
+
+    @property
     def config(self) -> EngineConfig:
         return self.core.config
 
     @property
-    def kv_cache(self):
+    def kv_cache(self) -> torch.Tensor:
         return self.core.kv_cache
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.core.tokenizer
 
     def stats(self) -> EngineStats:
@@ -121,15 +137,15 @@ class AsyncEngine:
         raise its exception."""
         if not self.is_alive:
             raise EngineDead(f"engine thread is not running: {self.error!r}")
-        future: asyncio.Future[T] = self._loop.create_future()
+        future: asyncio.Future[T] = self._event_loop.create_future()
 
         def command() -> None:
             try:
                 result = fn(self.core)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self._loop.call_soon_threadsafe(_set_exception, future, e)
+                self._event_loop.call_soon_threadsafe(_set_exception, future, e)
             else:
-                self._loop.call_soon_threadsafe(_set_result, future, result)
+                self._event_loop.call_soon_threadsafe(_set_result, future, result)
 
         self._commands.append(command)
         self._wake.set()
@@ -151,7 +167,7 @@ class AsyncEngine:
         self._kv_event_sink = sink
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until every sample finished. Closing the
         iterator early (client gone, stop string) aborts the request in the engine."""
         await self.compile_constraint(params)
@@ -168,11 +184,11 @@ class AsyncEngine:
             if finished < params.n and self.is_alive:
                 await self.call(lambda core: core.abort_request(request_id))
 
-    def subscribe(self, request_id: str) -> asyncio.Queue:
+    def subscribe(self, request_id: str) -> OutputQueue:
         """Route outputs of ``request_id`` (and of its samples) to a new queue."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: OutputQueue = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
 
@@ -180,7 +196,7 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
 
     @staticmethod
-    async def next_output(queue: asyncio.Queue) -> RequestOutput:
+    async def next_output(queue: OutputQueue) -> RequestOutput:
         item = await queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -197,14 +213,14 @@ class AsyncEngine:
                 if self._kv_event_sink is not None:
                     self._drain_kv_events(self._kv_event_sink)
                 if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                    self._event_loop.call_soon_threadsafe(self._dispatch, outputs)
                 elif not self._commands:
                     self._wake.wait(IDLE_WAIT_S if self.core.has_unfinished_requests() else 0.5)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiter
             log.exception("engine loop died")
             self.error = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._event_loop.call_soon_threadsafe(self._fail_all, e)
 
     def _drain_kv_events(self, sink: Callable[[list[KVCacheEvent]], None]) -> None:
         events = self.core.take_kv_events()
@@ -225,11 +241,11 @@ class AsyncEngine:
             queue.put_nowait(EngineDead(f"engine loop died: {error!r}"))
 
 
-def _set_result(future: asyncio.Future, result: Any) -> None:
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
     if not future.done():
         future.set_result(result)
 
 
-def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)

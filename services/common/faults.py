@@ -34,6 +34,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 FAULTS_ENV = "PDSERVE_FAULTS"
 
@@ -71,7 +72,7 @@ _FIELDS = {  # entry key -> (field, parse)
 def parse_faults(spec: str) -> FaultPlan:
     """The plan a ``PDSERVE_FAULTS`` value names (module docstring); "" is no fault.
     Raises ValueError naming the bad entry."""
-    values: dict[str, float | int] = {}
+    values: dict[str, Any] = {}  # field -> float or int, as _FIELDS' kind says
     for entry in (e.strip() for e in spec.split(",")):
         if not entry:
             continue

@@ -22,11 +22,14 @@ import argparse
 import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common.settings import add_env_argument
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a settings dataclass
 
 
 def setting(default: Any, help_text: str, *, choices: Sequence[Any] | None = None,
@@ -73,7 +76,7 @@ def add_flags(parser: argparse.ArgumentParser, settings: type,
 
 def flags_from(settings: type[T], namespace: argparse.Namespace) -> T:
     """The ``settings`` instance of a namespace parsed by a parser with ``add_flags``."""
-    return settings(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(settings)})  # type: ignore[arg-type]
+    return settings(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(settings)})
 
 
 def flags_argv(settings: Any) -> list[str]:

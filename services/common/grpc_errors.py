@@ -131,7 +131,7 @@ def maps_service_errors(behavior: F, request_streaming: bool = False) -> F:
                     yield response
             except ServiceError as error:
                 await _fail(args, error, request_streaming)
-        return streaming  # type: ignore[return-value]
+        return streaming  # type: ignore[return-value]  # behavior's signature (functools.wraps)
     if inspect.iscoroutinefunction(behavior):
         @functools.wraps(behavior)
         async def unary(*args: Any) -> Any:
@@ -139,7 +139,7 @@ def maps_service_errors(behavior: F, request_streaming: bool = False) -> F:
                 return await behavior(*args)
             except ServiceError as error:
                 await _fail(args, error, request_streaming)
-        return unary  # type: ignore[return-value]
+        return unary  # type: ignore[return-value]  # behavior's signature (functools.wraps)
     return behavior
 
 

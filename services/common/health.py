@@ -18,8 +18,8 @@ from grpc_health.v1._async import HealthServicer
 from services.common.channels import internal_channel, public_aio_channel
 from services.common.internal_auth import InternalAuth
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING: int = health_pb2.HealthCheckResponse.SERVING  # typed here: grpc_health is untyped to mypy
+NOT_SERVING: int = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # The service name a client checks to mean "the whole server".
 OVERALL = ""
@@ -58,7 +58,8 @@ async def check_health(address: str, service: str = OVERALL, timeout_s: float = 
     async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        return reply.status
+        status: int = reply.status
+        return status
 
 
 async def wait_until_serving(address: str, timeout_s: float = 30.0, service: str = OVERALL) -> None:

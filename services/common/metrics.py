@@ -25,6 +25,7 @@ import argparse
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -99,8 +100,9 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> M
         return None
     app = make_wsgi_app(registry)
 
-    def text_format_only(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        return app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)  # module docstring
+    def text_format_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        body: Iterable[bytes] = app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)  # module docstring
+        return body
 
     try:
         server = make_server(host, port, text_format_only, ThreadingWSGIServer, handler_class=_QuietHandler)

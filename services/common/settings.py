@@ -61,6 +61,6 @@ def _parse_env(parser: argparse.ArgumentParser, name: str, raw: str, kwargs: Map
         parser.error(f"{name}={raw!r}: {exc}")
     choices = kwargs.get("choices")
     bad = [v for v in values if choices is not None and v not in choices]
-    if bad:
+    if bad and choices is not None:  # bad is only ever non-empty with choices
         parser.error(f"{name}={raw!r}: {bad[0]!r} is not one of {list(choices)}")
     return values if kwargs.get("nargs") not in (None, "?") else values[0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from google.protobuf.descriptor import FileDescriptor
 
@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
 
 
 def _service(file_descriptor: FileDescriptor, name: str) -> str:
-    return file_descriptor.services_by_name[name].full_name
+    full_name: str = file_descriptor.services_by_name[name].full_name
+    return full_name
 
 
 GENERATE_SERVICE_NAME = _service(generate_pb2.DESCRIPTOR, "GenerateService")
@@ -64,7 +65,7 @@ TRANSFERS = tuple(TRANSFER_METHODS)  # --transfer's choices: the KV transport be
 METHOD_NAMES = {value: name for name, value in TRANSFER_METHODS.items()}
 
 
-def transfer_methods(transfer: str) -> list[int]:
+def transfer_methods(transfer: str) -> list[worker_pb2.KVTransferMethod]:
     """The methods a worker started with ``--transfer`` serves, preferred first."""
     return [NIXL, GRPC] if transfer == "nixl" else [GRPC]
 
@@ -77,7 +78,7 @@ _FINISH_TO_PROTO = {
     "abort": generate_pb2.FINISH_REASON_ABORT,
     "error": generate_pb2.FINISH_REASON_ABORT,
 }
-_FINISH_FROM_PROTO = {
+_FINISH_FROM_PROTO: dict[int, str | None] = {
     generate_pb2.FINISH_REASON_UNSPECIFIED: None,
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_LENGTH: "length",
@@ -138,7 +139,7 @@ def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams; values are checked later by the engine (ValueError).
     ``spaces_between_special_tokens`` is accepted and ignored (the tokenizer has no such
     switch)."""
-    kwargs: dict[str, object] = {
+    kwargs: dict[str, Any] = {  # SamplingParams' keyword arguments
         "n": msg.n if msg.HasField("n") else 1,
         "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else None,
         "min_tokens": msg.min_tokens,
@@ -157,7 +158,7 @@ def params_from_proto(msg: generate_pb2.SamplingParams) -> SamplingParams:
             kwargs[name] = shortest_float32(value) if name in _FLOATS else value
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
-    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return SamplingParams(**kwargs)
 
 
 def structured_to_proto(so: StructuredOutputsParams) -> generate_pb2.StructuredOutputs:
@@ -179,25 +180,25 @@ def structured_to_proto(so: StructuredOutputsParams) -> generate_pb2.StructuredO
 def structured_from_proto(msg: generate_pb2.StructuredOutputs) -> StructuredOutputsParams:
     """No kind set reads as a constraint with none, which the engine refuses naming the field."""
     kind = msg.WhichOneof("kind")
-    kwargs: dict[str, object] = {"strict": msg.strict if msg.HasField("strict") else True,
+    kwargs: dict[str, Any] = {"strict": msg.strict if msg.HasField("strict") else True,
                                  "field": msg.field or None}
     if kind == "choice":
         kwargs["choice"] = list(msg.choice.choices)
     elif kind is not None:
         kwargs[kind] = getattr(msg, kind)
-    return StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
+    return StructuredOutputsParams(**kwargs)
 
 
 # ---- finish reasons and logprobs -----------------------------------------------------------
 
-def finish_to_proto(reason: str | None) -> generate_pb2.FinishReason.ValueType:
+def finish_to_proto(reason: str | None) -> generate_pb2.FinishReason:
     """'error' travels as ABORT (the wire has no separate code)."""
     return _FINISH_TO_PROTO[reason]
 
 
 def finish_from_proto(value: int) -> str | None:
     """An unknown code reads as 'abort'."""
-    return _FINISH_FROM_PROTO.get(value, "abort")  # type: ignore[call-overload]
+    return _FINISH_FROM_PROTO.get(value, "abort")
 
 
 def logprobs_to_proto(entry: PositionLogprobs | None,
@@ -284,7 +285,9 @@ _TIER_FIELDS = ("num_blocks", "num_cached_blocks", "num_queried_blocks", "num_hi
 
 def tier_stats_to_proto(tiers: Sequence[TierStats]) -> list[worker_pb2.TierStats]:
     """``EngineStats.tiers`` as ``WorkerStats.tiers`` (CacheTier values equal ``Tier``'s)."""
-    return [worker_pb2.TierStats(tier=int(t.tier), **{f: getattr(t, f) for f in _TIER_FIELDS}) for t in tiers]
+    # cast: protoc's .pyi types an enum field as its enum class; on the wire it is the int itself
+    return [worker_pb2.TierStats(tier=cast(worker_pb2.CacheTier, int(t.tier)),
+                                 **{f: getattr(t, f) for f in _TIER_FIELDS}) for t in tiers]
 
 
 def tier_stats_from_proto(tiers: Sequence[worker_pb2.TierStats]) -> list[TierStats]:

@@ -99,7 +99,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
 _CLEANUPS: set[asyncio.Future[None]] = set()  # strong references until each cleanup ran
 
 
-async def _abort_when_added(engine: AsyncEngine, adding: asyncio.Future[object],
+async def _abort_when_added(engine: AsyncEngine, adding: asyncio.Future[list[str]],
                             request_id: str) -> None:
     """Abort ``request_id`` once its add_request went through (no-op if it failed)."""
     try:

@@ -28,11 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 
 from engine.config import Role
+from engine.kv_transfer.base import KVReceiver
 from engine.mathutils import cdiv
+from engine.stats import RemoteReservation
 from services.common.async_engine import EngineDead
 from services.common.errors import (
     Aborted,
@@ -44,6 +48,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.faults import faults
+from services.common.grpc_server import AddServicer
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
@@ -81,13 +86,13 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         self.queue_limit = QueueLimit.from_args(runtime.engine, runtime.args, runtime.worker_id)
         self.transfer_counters = TransferCounters()
         self.prefix_counters = PrefixCounters()
-        self.receivers = ()
-        self._housekeeper: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
+        self.receivers: tuple[KVReceiver, ...] = ()
+        self._housekeeper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         # ReserveBlocks calls in the engine now -> whether a ReleaseBlocks came for them meanwhile
         self._reserving: dict[str, bool] = {}
 
-    async def start(self):
+    async def start(self) -> list[AddServicer]:
         self.receivers = make_receivers(self.runtime.args.transfer, self.runtime.model_name,
                                         self.engine.kv_cache)
         grpc_receiver = next(r for r in self.receivers if isinstance(r, GrpcKVReceiver))
@@ -281,7 +286,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         finally:
             self.reservations.pop(reservation.reservation_id)
 
-    async def _undo_reserve(self, reserving: asyncio.Future, request_id: str) -> None:
+    async def _undo_reserve(self, reserving: asyncio.Future[RemoteReservation | None],
+                            request_id: str) -> None:
         """A ReserveBlocks caller left while the engine reserved: free what it reserved."""
         try:
             reserved = await reserving
@@ -298,7 +304,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         except EngineDead:
             pass
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -63,6 +63,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
                          context: grpc.aio.ServicerContext) -> kv_pb2.PushBlocksAck:
         local = self.receiver.handshake_info()
         kv_cache = self.receiver.kv_cache
+        assert kv_cache is not None  # handshake_info() above raised unless registered
         header: kv_pb2.PushBlocksHeader | None = None
         dst_block_ids: list[int] = []
         received = crc = 0

@@ -24,7 +24,8 @@ class GuardedKVTransferServicer(KVTransferServicer):
         super().__init__(receiver, handshake_source)
         self.reservations = reservations
 
-    async def PushBlocks(self, request_iterator, context: grpc.aio.ServicerContext) -> kv_pb2.PushBlocksAck:
+    async def PushBlocks(self, request_iterator: AsyncIterator[kv_pb2.PushBlocksChunk],
+                         context: grpc.aio.ServicerContext) -> kv_pb2.PushBlocksAck:
         chunks = request_iterator.__aiter__()
         try:
             first = await chunks.__anext__()

@@ -11,7 +11,7 @@ was and the service keeps serving.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TypeVar
 
 import grpc
@@ -205,5 +205,5 @@ def _checked(what: str, call: Callable[..., T], *args: object) -> T:
         raise InvalidArgument(f"{what}: {error}") from error
 
 
-def _hashes(raw: object) -> list[BlockHash]:
-    return [BlockHash(bytes(h)) for h in raw]  # type: ignore[attr-defined]
+def _hashes(raw: Iterable[bytes]) -> list[BlockHash]:
+    return [BlockHash(bytes(h)) for h in raw]

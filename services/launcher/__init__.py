@@ -48,10 +48,11 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from services.common.ports import free_port
 from services.launcher.child import DEATHSIG_SHIM, HOST, REPO_ROOT, Child, ChildFailed
 from services.launcher.credentials import TOKEN_FILE, internal_auth_env, prepare_auth, write_token_file
 from services.launcher.lifecycle import run
-from services.launcher.plan import build_parser, cpu_split, free_port, gpu_share, plan, plan_kvstore
+from services.launcher.plan import build_parser, cpu_split, gpu_share, plan, plan_kvstore
 from services.launcher.supervisor import RestartPolicy, Supervisor
 
 __all__ = ["DEATHSIG_SHIM", "HOST", "REPO_ROOT", "TOKEN_FILE", "Child", "ChildFailed", "RestartPolicy",

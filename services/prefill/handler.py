@@ -34,16 +34,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import NoReturn
 
 import grpc
 
 from engine.config import Role
 from engine.kv_transfer.base import KVTransferError
 from engine.sampling_params import SamplingParams
+from engine.scheduler.output import RequestOutput
 from engine.structured.compiler import DEFAULT_TIMEOUT_S as COMPILE_TIMEOUT_S
-from services.common.async_engine import EngineDead
+from services.common.async_engine import EngineDead, OutputQueue
 from services.common.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -54,6 +55,7 @@ from services.common.errors import (
 )
 from services.common.faults import faults
 from services.common.grpc_errors import service_error_of, status_first
+from services.common.grpc_server import AddServicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     METHOD_NAMES,
@@ -73,9 +75,6 @@ from services.worker.admission import Pending, QueueLimit
 from services.worker.request_params import compile_constraint, one_sample_params
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
-
-if TYPE_CHECKING:  # engine.scheduler.output imports torch; so does this module anyway
-    from engine.scheduler.output import RequestOutput
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 5.0  # plus, for a constrained request, the decode worker's compile limit
@@ -100,7 +99,7 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.queue_limit = QueueLimit.from_args(runtime.engine, runtime.args, runtime.worker_id)
 
-    async def start(self):
+    async def start(self) -> list[AddServicer]:
         kv_cache = self.runtime.engine.kv_cache
         for method, factory in sender_factories(self.runtime.args.transfer,
                                                 self.runtime.model_name).items():
@@ -157,14 +156,14 @@ class _PrefillJob:
         self.transfer: RequestTransfer | None = None
         # add_request as queued on the engine thread: it is applied even if this call is
         # cancelled while waiting for it, so cleanup waits for it before dropping the request.
-        self.adding: asyncio.Future | None = None
+        self.adding: asyncio.Future[list[str]] | None = None
         self.subscribed = self.handed_off = False
         self.ends_request = False  # the first token finished the request (stop or length)
         self.transfer_started_at: float | None = None  # the first chunk push (transfer metrics)
         self.timer = worker.runtime.metrics.request()
         self.ttft = TtftClock()
 
-    async def run(self) -> AsyncIterator[worker_pb2.PrefillResponse]:
+    async def run(self) -> AsyncGenerator[worker_pb2.PrefillResponse, None]:
         """The call's responses, in the order of the module docstring."""
         await compile_constraint(self.engine, self.params, "Prefill")  # before the decode worker reserves
         if self.params.max_tokens != 1:  # 1: the first token ends the request, no decode worker
@@ -177,7 +176,7 @@ class _PrefillJob:
         async for response in self._hand_off():
             yield response
 
-    async def _add_request(self) -> asyncio.Queue:
+    async def _add_request(self) -> OutputQueue:
         """Subscribe to the request's outputs and add it to the engine; its output queue."""
         self.ttft.on_queued()
         try:
@@ -198,7 +197,7 @@ class _PrefillJob:
         self.ttft.on_taken()
         return queue
 
-    async def _compute(self, queue: asyncio.Queue) -> AsyncIterator[worker_pb2.PrefillResponse]:
+    async def _compute(self, queue: OutputQueue) -> AsyncIterator[worker_pb2.PrefillResponse]:
         """Until the engine finishes the request: the first token, and the progress of the
         blocks pushed after each step."""
         while True:
@@ -210,7 +209,7 @@ class _PrefillJob:
             if output.new_token_ids:
                 yield self._first_token(output)
             if self.transfer is not None and not self.ends_request:
-                if await self._push_timed(output.num_computed_tokens):
+                if await self._push_timed(self.transfer, output.num_computed_tokens):
                     yield self._progress()
             if output.finished:
                 break
@@ -234,12 +233,12 @@ class _PrefillJob:
         faults().before_first_token()  # PDSERVE_FAULTS only
         return worker_pb2.PrefillResponse(request_id=self.request_id, first_token=first)
 
-    async def _push_timed(self, num_computed_tokens: int) -> bool:
+    async def _push_timed(self, transfer: RequestTransfer, num_computed_tokens: int) -> bool:
         """``_push``, timing it as the transfer's share of TTFT until the first token."""
         push_started = time.monotonic()
         if self.transfer_started_at is None:
             self.transfer_started_at = push_started
-        has_progress = await self._push(num_computed_tokens)
+        has_progress = await self._push(transfer, num_computed_tokens)
         self.ttft.on_pushed(time.monotonic() - push_started)
         return has_progress
 
@@ -281,9 +280,9 @@ class _PrefillJob:
             remote = await self.peer.remote(self.method, pusher)
             sent_at = time.monotonic()
             self.reserve_unanswered = True
-            reply = await self.peer.decode.ReserveBlocks(worker_pb2.ReserveBlocksRequest(
-                request_id=self.request_id, prompt_token_ids=self.prompt,
-                sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S + (
+            reply: worker_pb2.ReserveBlocksResponse = await self.peer.decode.ReserveBlocks(
+                worker_pb2.ReserveBlocksRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                                sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S + (
                     COMPILE_TIMEOUT_S if self.params.structured_outputs is not None else 0.0))
             self.reserve_unanswered = False
         except KVTransferError as exc:
@@ -313,7 +312,7 @@ class _PrefillJob:
             raise FailedPrecondition(str(exc), failed_peer="decode") from exc
         return reservation
 
-    async def _next_output(self, queue: asyncio.Queue):
+    async def _next_output(self, queue: OutputQueue) -> RequestOutput:
         """The request's next engine output; while a reservation waits for its KV, only as
         long as the reservation's lease (renewed meanwhile) allows."""
         try:
@@ -327,9 +326,8 @@ class _PrefillJob:
         except EngineDead as exc:
             raise Unavailable(str(exc)) from exc
 
-    async def _push(self, num_computed_tokens: int) -> bool:
+    async def _push(self, transfer: RequestTransfer, num_computed_tokens: int) -> bool:
         """Push newly final blocks; True if more blocks were confirmed since the last call."""
-        transfer = self.transfer
         try:
             changed = transfer.collect()
             # Read the live request (a preemption frees blocks and resets its progress).
@@ -347,6 +345,7 @@ class _PrefillJob:
 
     def _fail_transfer(self, exc: TransferFailed) -> NoReturn:
         self.worker.runtime.metrics.transfer.failed(METHOD_NAMES[self.method])
+        assert self.peer is not None  # a transfer or lease exists: _reserve chose the peer
         self.peer.forget(self.method)
         log.warning("request %s: %s", self.request_id, exc)
         raise Unavailable(f"Prefill: KV transfer to decode worker {self.target.address} failed: "
@@ -362,8 +361,8 @@ class _PrefillJob:
         """Free everything this call still holds, in a safe order (see the module docstring)."""
         if self.transfer is not None:
             await self.transfer.settle(SETTLE_TIMEOUT_S)
-            self._count_transfer()
-        if self.adding is not None and await self._was_added():
+            self._count_transfer(self.transfer)
+        if self.adding is not None and await self._was_added(self.adding):
             request_id = self.request_id
             try:
                 await self.engine.call(lambda core: core.drop(request_id))
@@ -375,6 +374,7 @@ class _PrefillJob:
             await self.lease.stop()
         if (self.reservation is not None or self.reserve_unanswered) and not self.handed_off:
             reservation_id = self.reservation.reservation_id if self.reservation else self.request_id
+            assert self.peer is not None  # set before ReserveBlocks was sent
             try:
                 await self.peer.decode.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(
                     reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
@@ -382,18 +382,18 @@ class _PrefillJob:
                 log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
                             self.target.address, exc.details())
 
-    def _count_transfer(self) -> None:
-        transfer, counters = self.transfer, self.worker.transfer_counters
+    def _count_transfer(self, transfer: RequestTransfer) -> None:
+        counters = self.worker.transfer_counters
         transfer.collect_quietly()
         counters.num_blocks_sent += transfer.num_blocks_sent
         counters.num_bytes_sent += transfer.num_blocks_sent * self.worker.block_bytes
         counters.num_blocks_skipped_cached += transfer.num_cached_blocks
         counters.num_bytes_skipped_cached += transfer.num_cached_blocks * self.worker.block_bytes
 
-    async def _was_added(self) -> bool:
+    async def _was_added(self, adding: asyncio.Future[list[str]]) -> bool:
         """Wait (one engine step at most) until add_request was applied; did it succeed?"""
         try:
-            await self.adding
+            await adding
         except (ValueError, EngineDead):
             return False
         return True

@@ -86,11 +86,13 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         check_send_args(src_block_ids, dst_block_ids, local.region.num_blocks, remote.handshake)
         assert self.kv_cache is not None
         packed = pack_blocks(self.kv_cache, src_block_ids)  # uint8 [n * block_bytes], on CPU
+        # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (mypy checks as 3.10)
+        crc = zlib.crc32(packed.numpy())  # type: ignore[arg-type]  # see above
         header = kv_pb2.PushBlocksHeader(
             request_id=request_id, dst_block_ids=list(dst_block_ids),
             compat_hash=local.compat.hash, dtype=local.compat.dtype,
             block_shape=list(local.compat.block_shape), total_bytes=packed.numel(),
-            sender_agent_name=self.agent_name, crc32=zlib.crc32(packed.numpy()))
+            sender_agent_name=self.agent_name, crc32=crc)
         handle = TransferHandle(request_id=request_id, num_blocks=len(src_block_ids))
         self._pushes[handle.transfer_id] = self._pool.submit(
             self._push, remote.address, header, packed)
@@ -132,4 +134,5 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
                 yield kv_pb2.PushBlocksChunk(offset=offset, data=faults().kv_corrupted(data))
 
         stub = kv_pb2_grpc.KVTransferServiceStub(self._channel(address))
-        return stub.PushBlocks(chunks(), timeout=self.timeout_s)
+        ack: kv_pb2.PushBlocksAck = stub.PushBlocks(chunks(), timeout=self.timeout_s)
+        return ack

@@ -71,7 +71,7 @@ class LeaseKeeper:
         self.last_error: str | None = None  # the last renewal that failed, for messages
         self.num_renewals = 0
         self._changed = asyncio.Event()  # deadline moved, or lost
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def interval_s(self) -> float:

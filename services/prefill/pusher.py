@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +44,11 @@ def sender_factories(transfer: str, model_name: str) -> dict[int, Callable[[], K
     return factories
 
 
+T = TypeVar("T")
+# a command for the sender thread: fn, its arguments, the future that gets its result
+_Command = tuple[Callable[..., Any], tuple[object, ...], asyncio.Future[Any]]
+
+
 class KVPusher:
     """A KVSender on its own thread; ``send`` returns a future resolved when the transfer ends.
 
@@ -53,7 +59,7 @@ class KVPusher:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()  # None: stop
         self._pending: dict[int, tuple[TransferHandle, asyncio.Future[TransferHandle]]] = {}
         self.sender: KVSender | None = None
         self._handshake: KVHandshake | None = None  # taken on the sender thread
@@ -78,11 +84,18 @@ class KVPusher:
             raise
         return pusher
 
+    @property
+    def _live_sender(self) -> KVSender:
+        """The sender ``create`` built; a KVPusher is only handed out after that."""
+        assert self.sender is not None, "KVPusher used before create() finished"
+        return self.sender
+
     def handshake_info(self) -> KVHandshake:
+        assert self._handshake is not None, "KVPusher used before create() finished"
         return self._handshake
 
     async def connect(self, remote: KVHandshake, address: str) -> RemoteInfo:
-        return await self._call(self.sender.connect, remote, address)
+        return await self._call(self._live_sender.connect, remote, address)
 
     async def send(self, request_id: str, src_block_ids: Sequence[int], remote: RemoteInfo,
                    dst_block_ids: Sequence[int]) -> asyncio.Future[TransferHandle]:
@@ -95,7 +108,7 @@ class KVPusher:
                 handle = TransferHandle(request_id, len(src_block_ids), state=TransferState.FAILED,
                                         error="fault injection: KV send dropped")
             else:
-                handle = self.sender.send_blocks(request_id, list(src_block_ids), remote,
+                handle = self._live_sender.send_blocks(request_id, list(src_block_ids), remote,
                                                  list(dst_block_ids))
             if handle.state is TransferState.IN_PROGRESS:
                 self._pending[handle.transfer_id] = (handle, done)
@@ -117,14 +130,15 @@ class KVPusher:
         if self.sender is not None:
             self.sender.close()
 
-    async def _call(self, fn, *args):
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the sender thread; its result or exception comes back here."""
-        result: asyncio.Future = self._loop.create_future()
+        result: asyncio.Future[T] = self._loop.create_future()
         self._commands.put((fn, args, result))
         return await result
 
     def _run(self) -> None:
         while True:
+            command: _Command | tuple[()] | None
             try:
                 command = self._commands.get(timeout=POLL_INTERVAL_S if self._pending else None)
             except queue.Empty:
@@ -144,7 +158,7 @@ class KVPusher:
     def _poll(self) -> None:
         for transfer_id, (handle, done) in list(self._pending.items()):
             try:
-                state = self.sender.poll(handle)
+                state = self._live_sender.poll(handle)
             except Exception as exc:  # noqa: BLE001 - a broken transport fails the transfer
                 log.exception("polling a KV transfer failed")
                 handle.state, handle.error = TransferState.FAILED, f"poll failed: {exc!r}"
@@ -154,11 +168,11 @@ class KVPusher:
                 self._loop.call_soon_threadsafe(_resolve, done, handle)
 
 
-def _resolve(future: asyncio.Future, value) -> None:
+def _resolve(future: asyncio.Future[T], value: T) -> None:
     if not future.done():
         future.set_result(value)
 
 
-def _fail(future: asyncio.Future, exc: BaseException) -> None:
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)

@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         stop.wait()
     finally:
         serve.delete(args.app_name)
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]  # ray leaves serve.shutdown unannotated
         ray.shutdown()
     sys.exit(0)
 

@@ -55,7 +55,8 @@ def build_pdserve_app(args: dict[str, Any] | str | Path | PdserveServingArgs) ->
                                              max_replicas_per_node=1), version
                             ).options(**args.kvstore.deployment_options())
         workers.append(kvstore.bind(replica_args, book))
-    return router.bind(replica_args, book, *workers)
+    app: Application = router.bind(replica_args, book, *workers)
+    return app
 
 
 def code_version(replica_args: PdserveServingArgs) -> str:

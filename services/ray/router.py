@@ -42,7 +42,7 @@ class RouterIngress:
     """Serve's HTTP ingress; ``__call__`` forwards any path (``/v1/completions``,
     ``/v1/chat/completions``, ``/health``, ...) to this replica's pdserve router."""
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any,  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any,  # type: ignore[misc]  # Serve awaits it
                        *workers: Any) -> None:
         """``workers``: the worker deployments' handles, bound so Serve runs them with this
         application; requests never go through them (KV moves worker to worker)."""

@@ -22,7 +22,10 @@ from services.ray.process import ServiceProcess
 
 def publish_host(host: str) -> str:
     """The address other replicas dial: the bind address, or this node's IP for 0.0.0.0."""
-    return ray.util.get_node_ip_address() if host == "0.0.0.0" else host
+    if host != "0.0.0.0":
+        return host
+    node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # ray: unannotated
+    return node_ip
 
 
 def role_argv(role: str, args: PdserveServingArgs, replica_id: str) -> list[str]:
@@ -84,7 +87,7 @@ class ServiceReplica:
 class PrefillReplica(ServiceReplica):
     role = "prefill"
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         super().__init__(args, address_book)
         await self._start()
 
@@ -92,7 +95,7 @@ class PrefillReplica(ServiceReplica):
 class DecodeReplica(ServiceReplica):
     role = "decode"
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         super().__init__(args, address_book)
         await self._start()
 
@@ -100,6 +103,6 @@ class DecodeReplica(ServiceReplica):
 class KVStoreReplica(ServiceReplica):
     role = "kvstore"
 
-    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]
+    async def __init__(self, args: PdserveServingArgs, address_book: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         super().__init__(args, address_book)
         await self._start()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
 from services.common.auth import KeySet
-from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.grpc_server import AddServicer, GrpcServer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
 from services.common.wire import GENERATE_SERVICE_NAME, WORKER_SERVICE_NAME
 from services.router.backends.backend import Backend
@@ -68,7 +68,7 @@ class Router:
 
     async def start(self) -> None:
         config, backend = self.config, self.state.backend
-        servicers = [(add_generate_servicer, GenerateServicer(self.state))]
+        servicers: list[AddServicer] = [(add_generate_servicer, GenerateServicer(self.state))]
         names = [GENERATE_SERVICE_NAME]
         if isinstance(backend, ColocatedBackend):
             servicers.append((worker_pb2_grpc.add_WorkerServiceServicer_to_server,
@@ -89,13 +89,14 @@ class Router:
         self.state.metrics.set_model(frontend.model.name)
         self.state.frontend = frontend
         await self.grpc.health.set_serving(await self.state.is_healthy())
-        self._health_task = asyncio.create_task(self._mirror_health())
+        self._health_task = asyncio.create_task(self._mirror_health(self.grpc))
         log.info("router ready http=%s grpc=%s model=%s", self.http.address, self.grpc.address,
                  self.state.frontend.model.name)
 
     def _build_frontend(self) -> Frontend:
         backend = self.state.backend
         if isinstance(backend, ColocatedBackend):  # the engine already loaded both
+            assert backend.tokenizer is not None and backend.model_info is not None  # by backend.start()
             return Frontend(backend.tokenizer, backend, backend.model_info, self.state.metrics,
                             self.state.limits, self.state.admission)
         from engine.models.loader import load_tokenizer
@@ -105,12 +106,12 @@ class Router:
                         read_model_info(self.config.model, self.config.max_model_len), self.state.metrics,
                         self.state.limits, self.state.admission)
 
-    async def _mirror_health(self) -> None:
+    async def _mirror_health(self, grpc_server: GrpcServer) -> None:
         while not self.state.is_draining:
             is_healthy = await self.state.is_healthy()
-            if is_healthy != self.grpc.health.is_serving:
+            if is_healthy != grpc_server.health.is_serving:
                 log.warning("backend health changed: %s", "serving" if is_healthy else "not serving")
-                await self.grpc.health.set_serving(is_healthy)
+                await grpc_server.health.set_serving(is_healthy)
             await asyncio.sleep(HEALTH_POLL_S)
 
     async def stop(self) -> None:
@@ -131,6 +132,7 @@ class Router:
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         main_task = asyncio.current_task()
+        assert main_task is not None  # a coroutine runs in a task
 
         def on_signal() -> None:
             if stop_requested.is_set():  # second signal: stop waiting for the drain

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.models.default_model import default_model_path
 from engine.models.gguf_file import read_gguf
@@ -66,7 +67,7 @@ def _hf_info(model_dir: Path) -> ModelInfo:
     return ModelInfo(model_dir.name, config["vocab_size"], max_model_len)
 
 
-def _uses_sliding_window(config: dict) -> bool:
+def _uses_sliding_window(config: dict[str, Any]) -> bool:
     """Mirrors engine.models.hf_loader (which imports torch): Qwen2 slides only when asked."""
     if not config.get("sliding_window"):
         return False

@@ -16,7 +16,8 @@ import socket
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_transfer.base import KVCompat
 from services.common.async_engine import AsyncEngine
-from services.index.publisher import IndexPublisher, PublisherConfig
+from services.index.config import PublisherConfig
+from services.index.publisher import IndexPublisher
 from services.index.schema import IndexMeta, WorkerInfo
 from services.index.settings import LEASE_HEARTBEATS
 

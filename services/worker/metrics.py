@@ -127,6 +127,7 @@ class EngineCollector(Collector):
         for name, (doc, field) in per_tier.items():
             family = CounterMetricFamily(name, doc, labels=(*LABELS, "tier"))
             for tier in tiers:
+                assert tier.tier.name is not None  # one tier per TierStats, never a combination of flags
                 family.add_metric([*self.labels, tier.tier.name.lower()], getattr(tier, field))
             yield family
         yield self._counter("vllm:kv_offload_store_bytes", "Bytes offloaded device -> host.",
@@ -138,10 +139,11 @@ class EngineCollector(Collector):
         spec = self.engine.spec_stats()
         if spec is None:
             return
-        proposed = list(spec["num_proposed_per_position"])  # type: ignore[call-overload]
-        accepted = list(spec["num_accepted_per_position"])  # type: ignore[call-overload]
+        # spec_stats() is the engine's dict[str, object]: these two keys hold list[int], that one an int
+        proposed = list(spec["num_proposed_per_position"])  # type: ignore[call-overload]  # see above
+        accepted = list(spec["num_accepted_per_position"])  # type: ignore[call-overload]  # see above
         yield self._counter("vllm:spec_decode_num_drafts", "Verification steps that had drafts.",
-                            int(spec["num_spec_steps"]))  # type: ignore[call-overload]
+                            int(spec["num_spec_steps"]))  # type: ignore[call-overload]  # see above
         yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", sum(proposed))
         yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", sum(accepted))
         family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",

@@ -66,7 +66,7 @@ class WorkerStatsServicer(worker_pb2_grpc.WorkerServiceServicer):
     when the engine cannot be read."""
 
     def __init__(self, read_stats: Callable[[], Awaitable[EngineStats]], worker_id: str, role: str,
-                 engine_args: EngineArgs, transfer_methods: Sequence[int] = (),
+                 engine_args: EngineArgs, transfer_methods: Sequence[worker_pb2.KVTransferMethod] = (),
                  transfer_counters: TransferCounters | None = None,
                  kv_compat: KVCompat | None = None,
                  prefix_counters: PrefixCounters | None = None,

@@ -40,26 +40,23 @@ class TransferMetrics:
     def create(cls, registry: CollectorRegistry, label_names: tuple[str, ...],
                labels: tuple[str, ...]) -> TransferMetrics:
         with_transport = (*label_names, "transport")
-        metrics = cls(
-            labels,
-            Histogram("pdserve_kv_transfer_seconds", "A request's KV push: first chunk to last "
-                      "confirmation (s).", with_transport, registry=registry, buckets=LATENCY_BUCKETS_S),
-            Counter("pdserve_kv_transfer_failures", "Requests whose KV push failed.", with_transport,
-                    registry=registry),
-            Histogram("vllm:nixl_xfer_time_seconds", "A request's KV transfer over NIXL (s).", label_names,
-                      registry=registry, buckets=LATENCY_BUCKETS_S),
-            Histogram("vllm:nixl_bytes_transferred", "Bytes of a request's KV transfer over NIXL.",
-                      label_names, registry=registry, buckets=BYTES_BUCKETS),
-            Counter("vllm:nixl_num_failed_transfers", "KV transfers over NIXL that failed.", label_names,
-                    registry=registry),
-        )
+        seconds = Histogram("pdserve_kv_transfer_seconds", "A request's KV push: first chunk to last "
+                            "confirmation (s).", with_transport, registry=registry, buckets=LATENCY_BUCKETS_S)
+        failures = Counter("pdserve_kv_transfer_failures", "Requests whose KV push failed.", with_transport,
+                           registry=registry)
+        nixl_seconds = Histogram("vllm:nixl_xfer_time_seconds", "A request's KV transfer over NIXL (s).",
+                                 label_names, registry=registry, buckets=LATENCY_BUCKETS_S)
+        nixl_bytes = Histogram("vllm:nixl_bytes_transferred", "Bytes of a request's KV transfer over NIXL.",
+                               label_names, registry=registry, buckets=BYTES_BUCKETS)
+        nixl_failures = Counter("vllm:nixl_num_failed_transfers", "KV transfers over NIXL that failed.",
+                                label_names, registry=registry)
         for transport in TRANSPORTS:  # zero series: rate() and the dashboards work at once
-            metrics.seconds.labels(*labels, transport)  # type: ignore[union-attr]
-            metrics.failures.labels(*labels, transport)  # type: ignore[union-attr]
-        metrics.nixl_seconds.labels(*labels)  # type: ignore[union-attr]
-        metrics.nixl_bytes.labels(*labels)  # type: ignore[union-attr]
-        metrics.nixl_failures.labels(*labels)  # type: ignore[union-attr]
-        return metrics
+            seconds.labels(*labels, transport)
+            failures.labels(*labels, transport)
+        nixl_seconds.labels(*labels)
+        nixl_bytes.labels(*labels)
+        nixl_failures.labels(*labels)
+        return cls(labels, seconds, failures, nixl_seconds, nixl_bytes, nixl_failures)
 
     @classmethod
     def disabled(cls) -> TransferMetrics:
@@ -71,8 +68,9 @@ class TransferMetrics:
         _check(transport)
         self.seconds.labels(*self.labels, transport).observe(max(seconds, 0.0))
         if transport == "nixl":
-            self.nixl_seconds.labels(*self.labels).observe(max(seconds, 0.0))  # type: ignore[union-attr]
-            self.nixl_bytes.labels(*self.labels).observe(num_bytes)  # type: ignore[union-attr]
+            assert self.nixl_seconds is not None and self.nixl_bytes is not None  # made with self.seconds
+            self.nixl_seconds.labels(*self.labels).observe(max(seconds, 0.0))
+            self.nixl_bytes.labels(*self.labels).observe(num_bytes)
 
     def failed(self, transport: str) -> None:
         if self.failures is None:
@@ -80,7 +78,8 @@ class TransferMetrics:
         _check(transport)
         self.failures.labels(*self.labels, transport).inc()
         if transport == "nixl":
-            self.nixl_failures.labels(*self.labels).inc()  # type: ignore[union-attr]
+            assert self.nixl_failures is not None  # made with self.failures
+            self.nixl_failures.labels(*self.labels).inc()
 
 
 def _check(transport: str) -> None:

@@ -11,13 +11,14 @@ services/router/errors.py.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
+    from engine.sampling.logprobs import PositionLogprobs
     from services.router.metrics import RouterMetrics
 
 
@@ -27,8 +28,8 @@ class TokenEvent:
 
     index: int  # which of the n samples
     token_ids: list[int]
-    logprobs: list | None = None  # [engine.sampling.logprobs.PositionLogprobs]
-    prompt_logprobs: list | None = None  # sent once, with the first event of sample 0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # sent once, with the first event of sample 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
@@ -42,7 +43,7 @@ class TokenEvent:
 class Backend(abc.ABC):
     @abc.abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[TokenEvent]:
+                 params: SamplingParams) -> AsyncGenerator[TokenEvent, None]:
         """Stream the request's token events until every sample finished. Raises ValueError
         for bad input (before any event), Overloaded, or BackendError (services/router/errors.py)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs
@@ -80,13 +80,14 @@ class ColocatedBackend(Backend):
         return self.engine is not None and self.engine.is_alive
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenEvent]:
+                       params: SamplingParams) -> AsyncGenerator[TokenEvent, None]:
         if self.engine is None or not self.engine.is_alive:
             raise BackendError("the colocated engine is not running")
         if self._num_active >= self.max_active_requests:
             raise Overloaded(f"{self._num_active} requests in flight (the limit); retry later")
         self._num_active += 1
         outputs = self.engine.generate(request_id, prompt_token_ids, params)
+        assert self.worker_metrics is not None  # start() set it with the engine checked above
         timer = self.worker_metrics.request()  # queue time is not split out here: it reads 0
         started = time.monotonic()
         num_finished = 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
@@ -30,6 +31,9 @@ from services.router.backends.backend import TokenEvent
 from services.router.backends.sample import Sample
 from services.router.backends.worker_errors import WorkerLost, worker_error
 from services.router.routing.worker_pool import InFlight, Worker
+
+if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
+    from engine.sampling.logprobs import PositionLogprobs
 
 
 class DecodeStream:
@@ -61,7 +65,9 @@ class DecodeStream:
             self.is_finished = finish is not None
             yield TokenEvent(
                 index=self.sample.index, token_ids=list(response.token_ids),
-                logprobs=logprobs_list_from_proto(response.logprobs), finish_reason=finish,
+                # cast: a generated token's logprobs always carry it (sampled), so no entry is None
+                logprobs=cast("list[PositionLogprobs] | None", logprobs_list_from_proto(response.logprobs)),
+                finish_reason=finish,
                 stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None)
 
     async def close(self) -> None:

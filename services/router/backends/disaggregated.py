@@ -113,7 +113,7 @@ class DisaggregatedBackend(Backend):
             await asyncio.to_thread(self.policy.configure, compats.pop())
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[TokenEvent]:
+                       params: SamplingParams) -> AsyncGenerator[TokenEvent, None]:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")

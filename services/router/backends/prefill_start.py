@@ -41,7 +41,7 @@ from services.router.routing.worker_pool import Worker
 
 @dataclass(frozen=True)
 class PrefillSettings:
-    transfer_method: int  # a worker_pb2.KVTransferMethod value
+    transfer_method: worker_pb2.KVTransferMethod
     timeout_s: float = 300.0  # the call's deadline unless the request's is nearer
     kv_full_wait_s: float = 60.0  # 0: refuse at once when every decode worker lacks KV blocks
 

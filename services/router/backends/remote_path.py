@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
@@ -44,6 +44,9 @@ from services.router.deadline import remaining_s
 from services.router.errors import BackendError
 from services.router.routing.route_plan import RoutePlan
 from services.router.routing.worker_pool import InFlight, Worker
+
+if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
+    from engine.sampling.logprobs import PositionLogprobs
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 2.0
@@ -144,7 +147,9 @@ class RemotePath:
 def _first_event(sample: Sample, first: worker_pb2.FirstToken, plan: RoutePlan | None) -> TokenEvent:
     return TokenEvent(
         index=sample.index, token_ids=[first.token_id],
-        logprobs=[logprobs_from_proto(first.logprobs)] if first.HasField("logprobs") else None,
+        # cast: a generated token's logprobs always carry it (sampled), so the entry is not None
+        logprobs=([cast("PositionLogprobs", logprobs_from_proto(first.logprobs))]
+                  if first.HasField("logprobs") else None),
         prompt_logprobs=logprobs_list_from_proto(first.prompt_logprobs) if sample.index == 0 else None,
         finish_reason=finish_from_proto(first.finish_reason),
         stop_token_id=first.stop_token_id if first.HasField("stop_token_id") else None,

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from services.common.auth import KeySet, bearer_token
 from services.router.http.protocol import error_body
@@ -47,7 +48,7 @@ def unauthorized(message: str) -> web.Response:
                              headers={"WWW-Authenticate": 'Bearer realm="pdserve"'})
 
 
-def require_api_key(auth: HttpAuth) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def require_api_key(auth: HttpAuth) -> Middleware:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if auth.is_open(request.path):

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from services.router.errors import (
     BackendError,
@@ -86,7 +87,7 @@ def stream_error(error: Exception) -> dict[str, Any]:
     return error_body(str(error), error_type="internal_server_error")
 
 
-def count_rejections(metrics: RouterMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def count_rejections(metrics: RouterMetrics) -> Middleware:
     """Count requests refused with a 4xx/503 before a Generation started (bad input, not ready):
     ``pdserve_rejected_requests_total`` and an ``error`` in ``dynamo_frontend_requests_total``.
     A backend's ValueError was already counted by its Generation."""

@@ -206,7 +206,7 @@ def _get(body: dict[str, Any], name: str, kind: type, default: Any, param: str |
     return float(value) if kind is float else value
 
 
-def _list_of(body: dict[str, Any], name: str, kind: type) -> list | None:
+def _list_of(body: dict[str, Any], name: str, kind: type) -> list[Any] | None:
     value = body.get(name)
     if value is None:
         return None

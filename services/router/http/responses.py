@@ -43,7 +43,7 @@ class ResponseRenderer:
         n = generation.params.n
         self.texts = [""] * n
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
-        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.logprobs: list[list[PositionLogprobs]] = [[] for _ in range(n)]
         self.finish: list[tuple[str | None, str | int | None]] = [(None, None)] * n
         self.text_offsets = [0] * n  # completions logprobs: where the next token's text starts
         self.has_sent_prompt_ids = False
@@ -127,7 +127,7 @@ class ResponseRenderer:
             chunk["usage"] = None
         return chunk
 
-    def _logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: list[PositionLogprobs]) -> dict[str, Any] | None:
         if self.generation.params.logprobs is None:
             return None
         if self.api.is_chat:

@@ -191,9 +191,9 @@ async def _stream(request: web.Request, api: OpenAIRequest, generation: Generati
             for chunk in render.opening_chunks():
                 await send(chunk)
             async for delta in generation:
-                chunk = render.chunk(delta)
-                if chunk is not None:
-                    await send(chunk)
+                delta_chunk = render.chunk(delta)
+                if delta_chunk is not None:
+                    await send(delta_chunk)
             if api.include_usage:
                 await send(render.usage_chunk())
         except (BackendError, Overloaded, ValueError) as error:  # RequestTimeout is a BackendError

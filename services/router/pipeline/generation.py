@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -21,6 +21,7 @@ from services.router.pipeline.admission import Ticket
 
 if TYPE_CHECKING:
     from engine.models.tokenizer import Tokenizer
+    from engine.sampling.logprobs import PositionLogprobs
     from services.router.metrics import RouterMetrics
 
 T = TypeVar("T")
@@ -34,10 +35,10 @@ class SampleDelta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list | None = None  # [PositionLogprobs], one per token_ids entry
+    logprobs: list[PositionLogprobs] | None = None  # one per token_ids entry
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: str | int | None = None  # the stop string, or the stop token id (None for EOS)
-    prompt_logprobs: list | None = None  # on the first delta of the request, if requested
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first delta of the request, if asked
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class Generation:
     cancelled (closed early: client left, deadline).
     """
 
-    def __init__(self, events: AsyncIterator[TokenEvent], tokenizer: Tokenizer,
+    def __init__(self, events: AsyncGenerator[TokenEvent, None], tokenizer: Tokenizer,
                  metrics: RouterMetrics, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, is_stream: bool = True, ticket: Ticket | None = None,
                  deadline: float | None = None) -> None:
@@ -79,7 +80,7 @@ class Generation:
         self.prompt_token_ids = prompt_ids
         self.params = params
         self.usage = Usage(prompt_tokens=len(prompt_ids))
-        self.prompt_logprobs: list | None = None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self._events = events  # the backend's, for this request
         self._samples = [_Sample(IncrementalDetokenizer(tokenizer, prompt_ids, params))
                          for _ in range(params.n)]
@@ -134,7 +135,9 @@ class Generation:
         if self.deadline is None:
             return await awaitable
         loop = asyncio.get_running_loop()
-        timeout = asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic()))
+        # asyncio.timeout_at is Python >= 3.11 (the Dockerfile's) but requires-python says >= 3.10
+        when = loop.time() + (self.deadline - time.monotonic())
+        timeout = asyncio.timeout_at(when)  # type: ignore[attr-defined]  # 3.11+: see above
         try:
             async with timeout:
                 return await awaitable
@@ -227,7 +230,7 @@ def _advance(sample: _Sample, event: TokenEvent) -> SampleDelta:
     last = len(event.token_ids) - 1
     for i, token_id in enumerate(event.token_ids):
         delta.token_ids.append(token_id)
-        if delta.logprobs is not None and i < len(event.logprobs):
+        if delta.logprobs is not None and event.logprobs is not None and i < len(event.logprobs):
             delta.logprobs.append(event.logprobs[i])
         check = detokenizer.update([token_id], stop_terminated=is_stop_token and i == last)
         if check.is_stopped:

@@ -157,8 +157,8 @@ class WorkerPool:
                         "decode": [Worker(a, "decode") for a in decode_addresses]}
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
-        self._poller: asyncio.Task | None = None
-        self._watchers: list[asyncio.Task] = []
+        self._poller: asyncio.Task[None] | None = None
+        self._watchers: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         for workers in self.workers.values():
