@@ -27,8 +27,10 @@ def env_var_name(flag: str) -> str:
 
 
 def add_env_argument(parser: argparse.ArgumentParser, flag: str, *aliases: str,
-                     environ: Mapping[str, str] | None = None, **kwargs: Any) -> argparse.Action:
-    """``parser.add_argument(flag, *aliases, **kwargs)`` with the default taken from the env.
+                     environ: Mapping[str, str] | None = None,
+                     group: argparse._ArgumentGroup | None = None, **kwargs: Any) -> argparse.Action:
+    """``parser.add_argument(flag, *aliases, **kwargs)`` with the default taken from the env
+    (added to ``group`` of ``parser`` when given: help sections; errors still go to ``parser``).
 
     Supports plain options (with ``type`` / ``choices``), ``action="store_true"`` / ``"store_false"``
     (the variable reads 1/true/yes/on = flag given, or 0/false/no/off) and ``nargs`` lists (space-separated).
@@ -40,7 +42,7 @@ def add_env_argument(parser: argparse.ArgumentParser, flag: str, *aliases: str,
     raw = environ.get(name)
     if raw is not None:
         kwargs["default"] = _parse_env(parser, name, raw, kwargs)
-    return parser.add_argument(flag, *aliases, **kwargs)
+    return (group or parser).add_argument(flag, *aliases, **kwargs)
 
 
 def _parse_env(parser: argparse.ArgumentParser, name: str, raw: str, kwargs: Mapping[str, Any]) -> Any:

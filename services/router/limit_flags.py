@@ -31,9 +31,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("request limits and admission control")
     for config in _CONFIGS:
         for f in dataclasses.fields(config):
-            # A group, not the parser that add_env_argument expects: a malformed PDSERVE_* value
-            # reaches group.error, which does not exist (AttributeError, not a usage error). Known.
-            add_env_argument(group, _flag(f.name), type=int, default=f.default,  # type: ignore[arg-type]  # see above
+            add_env_argument(parser, _flag(f.name), group=group, type=int, default=f.default,
                              help=f"{f.metadata['help']} (default {f.default})")
 
 

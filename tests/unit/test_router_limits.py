@@ -63,6 +63,14 @@ def test_flags_come_from_the_dataclass_fields(monkeypatch):
         limits_from(parser.parse_args(["--max-running-requests", "0"]))
 
 
+def test_a_malformed_limit_variable_is_a_usage_error_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv("PDSERVE_MAX_QUEUED_REQUESTS", "seven")
+    with pytest.raises(SystemExit) as exit_info:
+        add_limit_arguments(argparse.ArgumentParser())
+    assert exit_info.value.code == 2
+    assert "PDSERVE_MAX_QUEUED_REQUESTS" in capsys.readouterr().err
+
+
 def test_context_length_wording_is_openais():
     error = context_length_error(2048, 2000, 100, "messages")
     assert error.message == ("This model's maximum context length is 2048 tokens. However, you "
