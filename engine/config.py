@@ -12,7 +12,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what to change."""
 
 
-class Role(str, enum.Enum):
+class Role(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(Role.X) in logs and flags
     """What a worker's engine does with a request (see DESIGN.md, 'The request path')."""
 
     COLOCATED = "colocated"  # prefill and decode in one engine

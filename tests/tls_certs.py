@@ -40,7 +40,7 @@ def _name(common_name: str) -> x509.Name:
 
 def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
            issuer_key: ec.EllipticCurvePrivateKey, is_ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5))

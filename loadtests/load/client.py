@@ -9,7 +9,6 @@ final usage chunk; a server that sends none leaves ``tokens_from`` empty for the
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import socket
@@ -77,7 +76,7 @@ async def stream_request(session: aiohttp.ClientSession, base_url: str, model: s
                 _read_event(json.loads(line[5:]), record, pieces)
                 if record.error_kind:
                     break
-    except (asyncio.TimeoutError, TimeoutError) as error:
+    except TimeoutError as error:
         record.error_kind, record.error = TIMEOUT, f"no complete answer in {timeout_s} s ({error!r})"
     except aiohttp.ClientConnectionError as error:
         record.error_kind, record.error = CONNECT, f"{type(error).__name__}: {error}"[:300]

@@ -73,7 +73,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[RequestSpec], a
                 if record.ok and record.tokens_from != "usage" and count_tokens is not None:
                     record.completion_tokens, record.tokens_from = count_tokens(record.text), "tokenizer"
                 result.records.append(record)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 result.num_not_sent += 1
             finally:
                 done[spec.index].set()

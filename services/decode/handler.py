@@ -260,7 +260,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                     f"{len(reservation.block_ids)} blocks)", failed_peer="prefill")
             try:
                 await asyncio.wait_for(reservation.changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _give_up(self, reservation: Reservation) -> None:
@@ -279,7 +279,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             reservation.changed.clear()
             try:
                 await asyncio.wait_for(reservation.changed.wait(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         try:
             await self._abort(reservation.reservation_id)

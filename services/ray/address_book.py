@@ -44,7 +44,7 @@ class AddressBook:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.version != version),
                                        timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return await self.snapshot()
 

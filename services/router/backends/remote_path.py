@@ -180,5 +180,5 @@ async def _release_after(call: grpc.aio.UnaryStreamCall, decode: Worker, reserva
         if code is grpc.StatusCode.OK:
             await decode.decode.ReleaseBlocks(
                 worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
-    except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, grpc.aio.AioRpcError) as exc:
         log.info("releasing reservation %s on %s: %r", reservation_id, decode.address, exc)

@@ -135,9 +135,7 @@ class Generation:
         if self.deadline is None:
             return await awaitable
         loop = asyncio.get_running_loop()
-        # asyncio.timeout_at is Python >= 3.11 (the Dockerfile's) but requires-python says >= 3.10
-        when = loop.time() + (self.deadline - time.monotonic())
-        timeout = asyncio.timeout_at(when)  # type: ignore[attr-defined]  # 3.11+: see above
+        timeout = asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic()))
         try:
             async with timeout:
                 return await awaitable
