@@ -31,12 +31,13 @@ Makefile does, once per install).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,16 +123,22 @@ def _build_directory(source: Path, isa: str) -> Path:
     return path
 
 
-STALE_LOCK_S = 900  # far longer than any one library takes to build here (1-2 min on 2 cores)
+@contextlib.contextmanager
+def _build_lock(build_directory: Path) -> Iterator[None]:
+    """Hold ``build_directory``'s lock while its library is built and loaded.
 
-
-def _remove_stale_lock(build_directory: Path) -> None:
-    """torch's build lock is a file that a killed builder leaves behind, and every later load
-    then waits for it forever; one older than any build can be is removed."""
-    lock = build_directory / "lock"
-    with contextlib.suppress(FileNotFoundError):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
+    torch's own build lock is a file that exists while a build runs; a builder killed mid-build
+    (a worker SIGKILLed at its first start) leaves it behind, and every later load waits for it
+    forever. An flock dies with its holder: whoever holds this one is the only live builder of
+    the directory, so a torch lock file found then is a dead builder's, and is removed."""
+    with open(build_directory / "pdserve.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                (build_directory / "lock").unlink()
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def sources() -> list[str]:
@@ -156,14 +163,14 @@ def _library(name: str, isa: str) -> Any:
                                     f"set {ISA_ENV} to one of {'|'.join(runnable_isas())}")
     source = CSRC / f"{name}.cpp"
     build_directory = _build_directory(source, isa)
-    _remove_stale_lock(build_directory)
     try:
         # fresh lists: load() appends its own flags to the ones it is given
-        cpp_extension.load(name=f"{namespace(isa)}_{name}", sources=[str(source)],
-                           extra_cflags=list(_cflags(isa)), extra_ldflags=list(LDFLAGS),
-                           extra_include_paths=[str(CSRC)], is_python_module=False,
-                           build_directory=str(build_directory),
-                           verbose=False)
+        with _build_lock(build_directory):
+            cpp_extension.load(name=f"{namespace(isa)}_{name}", sources=[str(source)],
+                               extra_cflags=list(_cflags(isa)), extra_ldflags=list(LDFLAGS),
+                               extra_include_paths=[str(CSRC)], is_python_module=False,
+                               build_directory=str(build_directory),
+                               verbose=False)
     except Exception as exc:  # compiler missing or failing: say why, callers fall back
         raise CpuKernelsUnavailable(f"building the pdserve CPU kernel {source.name} ({isa}) "
                                     f"failed: {exc}") from exc
