@@ -7,12 +7,14 @@ The phases, in order, with the load running throughout:
 
 1. decode worker A kills itself (SIGKILL) mid-stream: it runs with
    ``PDSERVE_FAULTS=kill:decode:after_tokens=6``, so the first stream it serves dies after six
-   tokens were sent to the router. It is restarted without the fault.
+   tokens were sent to the router.
 2. prefill worker A kills itself (SIGKILL) just before sending the first token of its 4th
-   request (``kill:prefill:before_first_token=4``), and is restarted without it.
-3. a rolling restart: every worker in turn gets SIGTERM (drain: ``--drain-grace-s 2``; streams
-   that outlive it are cancelled and migrate), exits, comes back on its port, and is given
-   time to be seen SERVING by the router before the next one goes.
+   request (``kill:prefill:before_first_token=4``). Both A workers are then restarted (side by
+   side) without the faults.
+3. a rolling restart, the prefill and the decode workers side by side as their two Deployments
+   would roll: one worker of each role at a time gets SIGTERM (drain: ``--drain-grace-s 2``;
+   streams that outlive it are cancelled and migrate), exits, comes back on its port, and is
+   given time to be seen SERVING by the router before the next pair goes.
 
 The test starts and restarts the processes itself (``pdserve up`` treats a dying child as
 fatal). Each restart loads the model again, so the test takes a while on a busy machine.
@@ -104,11 +106,13 @@ class Chaos:
     def workers(self) -> list[WorkerProcess]:
         return self.prefill + self.decode
 
-    def replace(self, old: WorkerProcess) -> None:
-        new = restart(old)
-        group = self.prefill if old.role == "prefill" else self.decode
-        group[group.index(old)] = new
-        wait_serving([new])
+    def replace(self, exited: list[WorkerProcess]) -> None:
+        """Restart the exited workers side by side; back once the router can route to them."""
+        new = [restart(old) for old in exited]
+        for old, worker in zip(exited, new):
+            group = self.prefill if old.role == "prefill" else self.decode
+            group[group.index(old)] = worker
+        wait_serving(new)
         time.sleep(ROUTER_SEES_S)
 
     def wait_exit(self, worker: WorkerProcess, timeout_s: float = 60.0) -> int:
@@ -120,14 +124,18 @@ class Chaos:
 
     def run_phases(self) -> None:
         """Blocking; runs on a thread next to the load."""
-        for group in (self.decode, self.prefill):  # phases 1 and 2: the faulted A workers die
-            victim = group[0]
+        victims = [self.decode[0], self.prefill[0]]  # phases 1 and 2: the faulted A workers die
+        for victim in victims:
             self.events.append(f"{victim.role} A exited {self.wait_exit(victim)}")
-            self.replace(victim)
-        for worker in list(self.workers):  # phase 3: rolling restart
-            worker.proc.send_signal(signal.SIGTERM)
-            self.events.append(f"{worker.role} {worker.address} drained, exit {self.wait_exit(worker)}")
-            self.replace(worker)
+        self.replace(victims)
+        # phase 3: rolling restart, the prefill and the decode group side by side (as their two
+        # Deployments roll), one worker of each at a time: the other one of each role serves
+        for pair in zip(list(self.prefill), list(self.decode)):
+            for worker in pair:
+                worker.proc.send_signal(signal.SIGTERM)
+            for worker in pair:
+                self.events.append(f"{worker.role} {worker.address} drained, exit {self.wait_exit(worker)}")
+            self.replace(list(pair))
 
 
 def test_kills_and_a_rolling_restart_fail_no_request(tmp_path, llm):
