@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 ENV_PREFIX = "PDSERVE_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -26,9 +26,15 @@ def env_var_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
+
+class ArgumentGroup(Protocol):
+    """What ``parser.add_argument_group(...)`` returns, as add_env_argument uses it."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
+
 def add_env_argument(parser: argparse.ArgumentParser, flag: str, *aliases: str,
                      environ: Mapping[str, str] | None = None,
-                     group: argparse._ArgumentGroup | None = None, **kwargs: Any) -> argparse.Action:
+                     group: ArgumentGroup | None = None, **kwargs: Any) -> argparse.Action:
     """``parser.add_argument(flag, *aliases, **kwargs)`` with the default taken from the env
     (added to ``group`` of ``parser`` when given: help sections; errors still go to ``parser``).
 
