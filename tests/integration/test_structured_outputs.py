@@ -16,54 +16,8 @@ import pytest
 from engine import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured.errors import StructuredOutputError
+from tests.integration.schemas import SCHEMAS, validate
 
-S = {"type": "string", "maxLength": 12}
-INT = {"type": "integer", "minimum": 0, "maximum": 999}
-
-
-def obj(**properties) -> dict:
-    """An object schema that requires every property it lists."""
-    return {"type": "object", "properties": properties, "required": list(properties)}
-
-
-def pattern(regex: str) -> dict:
-    return {"type": "string", "pattern": regex}
-
-
-def fmt(name: str) -> dict:
-    return {"type": "string", "format": name}
-
-
-def array(items: dict, lo: int, hi: int) -> dict:
-    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
-
-
-SCHEMAS = [
-    obj(name=S, age=INT),
-    {**obj(city=S, population={"type": "integer", "minimum": 1000, "maximum": 99999}), "additionalProperties": False},
-    obj(user=obj(id=INT, email=pattern("^[a-z]{1,8}@[a-z]{1,8}\\.com$"))),
-    obj(tags=array(S, 1, 3)),
-    obj(scores=array(INT, 2, 4)),
-    obj(color={"enum": ["red", "green", "blue"]}),
-    obj(status={"type": "string", "enum": ["active", "inactive", "banned"]},
-        level={"type": "integer", "enum": [1, 2, 3]}),
-    {"anyOf": [obj(kind={"const": "circle"}, r=INT), obj(kind={"const": "square"}, side=INT)]},
-    obj(value={"anyOf": [INT, {"type": "null"}, {"type": "boolean"}]}),
-    obj(code=pattern("^[A-Z]{3}-[0-9]{3}$")),
-    obj(zip=pattern("^[0-9]{5}$"), state=pattern("^[A-Z]{2}$")),
-    obj(date=fmt("date")),
-    obj(id=fmt("uuid")),
-    obj(ip=fmt("ipv4")),
-    obj(price={"type": "number", "minimum": 0, "maximum": 100},
-        qty={"type": "integer", "exclusiveMinimum": 0, "maximum": 10}),
-    obj(temp={"type": "number", "minimum": -50, "maximum": 50}),
-    obj(items=array(obj(sku=S, n=INT), 1, 2)),
-    obj(a=obj(b=obj(c=INT))),
-    array({"type": "boolean"}, 2, 3),
-    obj(ok={"type": "boolean"}, note={"type": ["string", "null"], "maxLength": 10}),
-    obj(title={"type": "string", "minLength": 2, "maxLength": 8},
-        year={"type": "integer", "minimum": 1900, "maximum": 2100}),
-]
 PROMPT = "Answer in JSON. Describe something."
 MAX_TOKENS = 80
 
@@ -75,7 +29,7 @@ def json_params(schema, **kwargs) -> SamplingParams:
 
 def check_json(output, schema):
     assert output.finish_reason == "stop", (output.text, output.finish_reason)
-    jsonschema.validate(json.loads(output.text), schema, format_checker=jsonschema.FormatChecker())
+    validate(output.text, schema)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +177,4 @@ def test_required_and_named_tool_calls_decode_to_valid_arguments(llm):
         jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
     for output in replies[1].outputs:
         jsonschema.validate(json.loads(output.text), WEATHER)
+
