@@ -7,6 +7,7 @@ Compiled grammars are shared: one LLM per module, so each schema compiles once
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -178,3 +179,63 @@ def test_required_and_named_tool_calls_decode_to_valid_arguments(llm):
     for output in replies[1].outputs:
         jsonschema.validate(json.loads(output.text), WEATHER)
 
+
+# a string schema xgrammar takes seconds to compile (~4 s on the 2-core dev box: each length up
+# to maxLength is a grammar state), and one it compiles at once
+SLOW_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1000, "maxLength": 2000}},
+               "required": ["a"]}
+COMPILE_LIMIT_S = 0.5
+
+
+def test_a_schema_compiling_past_the_limit_is_a_400_naming_the_field(loaded_model):
+    """The router's HTTP API over a colocated engine in this process, whose compile limit is
+    COMPILE_LIMIT_S (this engine's own: the services' engines keep the default, 10 s, which a
+    test would wait out): SLOW_SCHEMA is refused with 400 naming the field it came in, as the
+    engine's StructuredOutputError maps to; the next request is served."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine.args import EngineArgs
+    from engine.config import Role
+    from engine.core import EngineCore
+    from engine.structured.params import StructuredOutputsParams
+    from services.router.backends.colocated import ColocatedBackend
+    from services.router.http.server import build_app
+    from services.router.model_info import ModelInfo
+    from services.router.pipeline.frontend import Frontend, RouterState
+
+    class Colocated(ColocatedBackend):
+        def _build_core(self) -> EngineCore:  # the session's model, not loaded again
+            config = self.engine_args.build(loaded_model.config, Role.COLOCATED)
+            self.tokenizer = loaded_model.tokenizer
+            self.model_info = ModelInfo(config.model.name, config.model.vocab_size, config.model.max_model_len)
+            core = EngineCore(config, loaded_model)
+            core.constraints.compile(StructuredOutputsParams(regex="a"))  # reads the vocabulary (~0.5 s)
+            core.constraints.timeout_s = COMPILE_LIMIT_S
+            return core
+
+    def body(schema: dict) -> dict:
+        return {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    async def scenario() -> tuple[tuple[int, dict], tuple[int, dict]]:
+        backend = Colocated(engine_args=EngineArgs(num_kv_blocks=16, max_model_len=256))
+        await backend.start()
+        try:
+            state = RouterState(backend)
+            state.frontend = Frontend(backend.tokenizer, backend, backend.model_info)
+            async with TestClient(TestServer(build_app(state), host="127.0.0.1")) as client:
+                replies = []
+                for schema in (SLOW_SCHEMA, SCHEMAS[5]):
+                    response = await client.post("/v1/chat/completions", json=body(schema))
+                    replies.append((response.status, await response.json()))
+                return replies[0], replies[1]
+        finally:
+            await backend.close()
+
+    (status, refused), (served_status, served) = asyncio.run(scenario())
+    assert status == 400, refused
+    assert refused["error"]["param"] == "response_format.json_schema", refused
+    assert f"did not compile within {COMPILE_LIMIT_S:g} s" in refused["error"]["message"], refused
+    assert served_status == 200, served
+    assert served["choices"][0]["finish_reason"] == "stop", served
+    validate(served["choices"][0]["message"]["content"], SCHEMAS[5])
