@@ -210,3 +210,14 @@ def test_an_invalid_argument_names_its_field_in_trailing_metadata() -> None:
     assert trailing_metadata_of(InvalidArgument("Generate: n=2")) == ()
     assert trailing_metadata_of(InvalidArgument("Prefill: guided_regex: does not compile", param="guided_regex")) == (
         (INVALID_PARAM_KEY, "guided_regex"),)
+
+
+def test_a_workers_refused_constraint_names_its_field() -> None:
+    from engine.structured.errors import StructuredOutputError
+    from services.worker.request_params import invalid_argument
+
+    refused = invalid_argument("Prefill", StructuredOutputError("guided_regex", "does not compile: ["))
+    assert (refused.message, refused.param) == ("Prefill: guided_regex: does not compile: [", "guided_regex")
+    assert trailing_metadata_of(refused) == ((INVALID_PARAM_KEY, "guided_regex"),)
+    plain = invalid_argument("Generate", ValueError("max_tokens must be >= 1"))
+    assert (plain.message, plain.param) == ("Generate: max_tokens must be >= 1", "")
