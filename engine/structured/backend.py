@@ -38,6 +38,7 @@ import xgrammar as xgr
 
 from engine.models.tokenizer import Tokenizer
 from engine.structured.errors import StructuredOutputError
+from engine.structured.formats import exact_formats
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.schema_check import check_schema
 
@@ -67,8 +68,8 @@ class GrammarBackend:
             if kind == "json":
                 # compact JSON (vLLM's disable_any_whitespace): a small model left free to emit
                 # whitespace between tokens can loop on it until max_tokens
-                return self._compiler.compile_json_schema(params.source, any_whitespace=False,
-                                                          strict_mode=params.strict)
+                return self._compiler.compile_json_schema(json.dumps(exact_formats(params.schema())),
+                                                          any_whitespace=False, strict_mode=params.strict)
             if kind == "json_object":
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                                           strict_mode=False)

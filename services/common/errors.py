@@ -28,7 +28,13 @@ class ServiceError(Exception):
 
 
 class InvalidArgument(ServiceError):
-    """The request itself is wrong (empty id, bad parameters, a prompt that cannot fit)."""
+    """The request itself is wrong (empty id, bad parameters, a prompt that cannot fit).
+    ``param``: the client's request field at fault, when one is (a structured-output
+    constraint's ``response_format.json_schema``), so the router can name it."""
+
+    def __init__(self, message: str, *, failed_peer: str = "", param: str = "") -> None:
+        super().__init__(message, failed_peer=failed_peer)
+        self.param = param
 
 
 class NotFound(ServiceError):

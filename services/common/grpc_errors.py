@@ -7,6 +7,7 @@ metadata for what the caller acts on:
 
     failed_peer="decode"     pdserve-failed-peer: decode   (the router retries another one)
     ResourceExhausted(kv_full=True)   pdserve-kv-full: 1
+    InvalidArgument(param="guided_regex")   pdserve-invalid-param: guided_regex
 
 A request-streaming call's client is first read to its end (``drain``: its messages are
 dropped, for at most ``DRAIN_LIMIT_S``), and only then told. grpc.aio's client writes its
@@ -52,7 +53,7 @@ from services.common.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.common.wire import FAILED_PEER_KEY, KV_FULL_KEY
+from services.common.wire import FAILED_PEER_KEY, INVALID_PARAM_KEY, KV_FULL_KEY
 
 STATUS_OF: dict[type[ServiceError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -87,15 +88,25 @@ def trailing_metadata_of(error: ServiceError) -> tuple[tuple[str, str], ...]:
         metadata += ((FAILED_PEER_KEY, error.failed_peer),)
     if isinstance(error, ResourceExhausted) and error.kv_full:
         metadata += ((KV_FULL_KEY, "1"),)
+    if isinstance(error, InvalidArgument) and error.param:
+        metadata += ((INVALID_PARAM_KEY, error.param),)
     return metadata
 
 
+def invalid_param(error: grpc.aio.AioRpcError) -> str:
+    """The request field an INVALID_ARGUMENT names (``INVALID_PARAM_KEY``), or ""."""
+    return next((str(value) for key, value in error.trailing_metadata() or () if key == INVALID_PARAM_KEY), "")
+
+
 def service_error_of(error: grpc.aio.AioRpcError, message: str, failed_peer: str = "") -> ServiceError:
-    """A peer's failed call as the ServiceError of the same code (``kv_full`` kept)."""
+    """A peer's failed call as the ServiceError of the same code (``kv_full`` and the invalid
+    ``param`` kept)."""
     kind = ERROR_OF.get(error.code(), Unavailable)
     if kind is ResourceExhausted:
         kv_full = any(key == KV_FULL_KEY for key, _ in error.trailing_metadata() or ())
         return ResourceExhausted(message, failed_peer=failed_peer, kv_full=kv_full)
+    if kind is InvalidArgument:
+        return InvalidArgument(message, failed_peer=failed_peer, param=invalid_param(error))
     return kind(message, failed_peer=failed_peer)
 
 

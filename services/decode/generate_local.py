@@ -27,7 +27,7 @@ from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
 from services.common.faults import faults
 from services.common.pb import worker_pb2
 from services.common.wire import decode_response, ttft_stages_to_proto
-from services.worker.request_params import compile_constraint, one_sample_params
+from services.worker.request_params import compile_constraint, invalid_argument, one_sample_params
 from services.worker.stats import PrefixCounters
 
 
@@ -65,7 +65,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
         try:
             await asyncio.shield(adding)
         except ValueError as exc:
-            raise InvalidArgument(f"Generate: {exc}") from exc
+            raise invalid_argument("Generate", exc) from exc
         finally:
             if on_added is not None:
                 on_added()

@@ -62,6 +62,7 @@ from services.decode.kv_guard import GuardedKVTransferServicer
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
 from services.worker.admission import QueueLimit
+from services.worker.request_params import invalid_argument
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -136,7 +137,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.CANCELLED,
                                     f"ReserveBlocks: {reservation_id!r} was released while reserving")
         except ValueError as exc:
-            raise InvalidArgument(f"ReserveBlocks: {exc}") from exc
+            raise invalid_argument("ReserveBlocks", exc) from exc
         except EngineDead as exc:
             raise Unavailable(str(exc)) from exc
         finally:

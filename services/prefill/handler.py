@@ -72,7 +72,7 @@ from services.prefill.pusher import KVPusher, sender_factories
 from services.prefill.transfer import RequestTransfer, TransferFailed
 from services.prefill.ttft_clock import TtftClock
 from services.worker.admission import Pending, QueueLimit
-from services.worker.request_params import compile_constraint, one_sample_params
+from services.worker.request_params import compile_constraint, invalid_argument, one_sample_params
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
 
@@ -189,7 +189,7 @@ class _PrefillJob:
         try:
             await asyncio.shield(self.adding)
         except ValueError as exc:
-            raise InvalidArgument(f"Prefill: {exc}") from exc
+            raise invalid_argument("Prefill", exc) from exc
         finally:
             if self.pending is not None:
                 self.pending.done()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.structured.errors import StructuredOutputError
 from services.common.async_engine import AsyncEngine
 from services.common.errors import InvalidArgument
 from services.common.pb import generate_pb2
@@ -29,4 +30,12 @@ async def compile_constraint(engine: AsyncEngine, params: SamplingParams, rpc: s
     try:
         await engine.compile_constraint(params)
     except ValueError as exc:
-        raise InvalidArgument(f"{rpc}: {exc}") from exc
+        raise invalid_argument(rpc, exc) from exc
+
+
+def invalid_argument(rpc: str, exc: ValueError) -> InvalidArgument:
+    """The engine's verdict on bad input as InvalidArgument naming ``rpc``; a refused
+    structured-output constraint (StructuredOutputError) also names its request field as the
+    ``param`` (sent as trailing metadata, so the router's 400 names it without reading text)."""
+    param = exc.field if isinstance(exc, StructuredOutputError) else ""
+    return InvalidArgument(f"{rpc}: {exc}", param=param)

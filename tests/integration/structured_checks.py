@@ -1,19 +1,28 @@
 """Structured outputs through a real router, with the official ``openai`` client: the checks the
-colocated router (test_router_colocated.py) and the 1 prefill + 1 decode cluster
-(test_bad_input_matrix.py) both pass, each on its own module's cluster.
+colocated router (test_router_colocated.py), the 1 prefill + 1 decode cluster with n-gram
+speculation (test_bad_input_matrix.py) and the clusters over each KV transfer (test_cluster.py)
+pass, each on its own module's cluster.
 
-Greedy constrained output must equal the offline engine's token for token (so colocated and
-disaggregated agree with each other); sampled output must validate against its schema with
-``jsonschema``; bad constraints get HTTP 400 naming the field, and the server keeps serving.
-Short outputs and few requests: every schema's strings are short and its arrays small. Sampled
-requests use NESTED only: a JSON number's fraction digits are unbounded, so a sample of MIXED
-might not end within max_tokens on another machine's kernels; MIXED is decoded greedily.
+Greedy constrained output must equal the offline engine's token for token (so colocated,
+disaggregated, speculation on and off agree with each other); sampled output must validate
+against its schema with ``jsonschema``; bad constraints get HTTP 400 naming the field, and the
+server keeps serving. Short outputs: every schema's strings are short and its arrays small.
+
+``every_schema_validates`` sends every schema of tests/integration/schemas.py at temperature 0
+and 1 at once. A JSON number's fraction digits are unbounded (the schema bounds the value, not
+its digits), so a sampled number may run on for many digits: the schemas with a number get
+``NUMBER_MAX_TOKENS``, room for a run ten times longer than sampling produced here (at most 16
+tokens for a whole reply), instead of the others' ``SCHEMA_MAX_TOKENS``, which bounds their
+longest reply even at one token per character (``max_tokens_for``). The smaller checks sample NESTED only, and
+decode MIXED (a number) greedily.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -21,6 +30,7 @@ import jsonschema
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
+from tests.integration.schemas import SCHEMAS, validate
 
 if TYPE_CHECKING:  # imported where used: without the client only these checks fail, not their modules
     import openai
@@ -83,6 +93,105 @@ def greedy_matches_the_offline_engine(api: openai.OpenAI, model: str, llm) -> No
         assert choice.model_extra["token_ids"] == expected_ids, (choice.text, expected_text)
         assert choice.finish_reason == "stop", choice
         check(choice.text, schema)
+
+
+SCHEMA_MAX_TOKENS = 80
+NUMBER_MAX_TOKENS = 160
+KINDS = [(False, False), (False, True), (True, False), (True, True)]  # (is_chat, is_stream)
+
+
+def max_tokens_for(schema: dict) -> int:
+    """SCHEMA_MAX_TOKENS, or NUMBER_MAX_TOKENS for a schema with a JSON number (module docstring)."""
+    return NUMBER_MAX_TOKENS if '"number"' in json.dumps(schema) else SCHEMA_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class SchemaRequest:
+    """One request of ``every_schema_validates``: SCHEMAS[schema_index] at ``temperature``."""
+
+    schema_index: int
+    temperature: int
+    is_chat: bool
+    is_stream: bool
+
+    @property
+    def schema(self) -> dict:
+        return SCHEMAS[self.schema_index]
+
+    @property
+    def seed(self) -> int:
+        return 100 + self.schema_index
+
+
+@dataclass
+class Reply:
+    text: str
+    finish_reason: str | None
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+
+
+# Each temperature covers every kind (chat or completions, streamed or not); each schema gets
+# two kinds, one per temperature.
+SCHEMA_REQUESTS = [SchemaRequest(i, t, *KINDS[(i + t) % len(KINDS)]) for t in (0, 1) for i in range(len(SCHEMAS))]
+
+
+def _send(api: openai.OpenAI, model: str, request: SchemaRequest) -> Reply:
+    common = {"model": model, "max_tokens": max_tokens_for(request.schema), "temperature": request.temperature,
+              "seed": request.seed, "stream": request.is_stream}
+    if request.is_chat:  # chat: the official response_format argument; completions: vLLM's guided_json
+        reply = api.chat.completions.create(messages=[{"role": "user", "content": PROMPT}],
+                                            response_format=json_schema(request.schema),
+                                            extra_body={"return_token_ids": True}, **common)
+    else:
+        reply = api.completions.create(prompt=PROMPT, extra_body={
+            "guided_json": request.schema, "return_token_ids": True}, **common)
+    if not request.is_stream:
+        (choice,) = reply.choices
+        text = choice.message.content if request.is_chat else choice.text
+        return Reply(text, choice.finish_reason, choice.model_extra["token_ids"],
+                     choice.model_extra["prompt_token_ids"])
+    whole = Reply("", None, [], [])
+    for chunk in reply:
+        for choice in chunk.choices:
+            whole.text += (choice.delta.content if request.is_chat else choice.text) or ""
+            whole.finish_reason = choice.finish_reason or whole.finish_reason
+            whole.token_ids += choice.model_extra.get("token_ids") or []
+            whole.prompt_token_ids += choice.model_extra.get("prompt_token_ids") or []
+    return whole
+
+
+def offline_greedy_batch(llm, requests: list[tuple[list[int], dict]]) -> list[list[int]]:
+    """The offline engine's greedy token ids for each (prompt ids, schema), the missing ones
+    computed in one batch and kept for the session (``_OFFLINE_IDS``)."""
+    keys = [(tuple(ids), json.dumps(schema)) for ids, schema in requests]
+    missing = list(dict.fromkeys(key for key in keys if key not in _OFFLINE_IDS))
+    if missing:
+        outputs = llm.generate([list(ids) for ids, _ in missing], [SamplingParams(
+            temperature=0, max_tokens=max_tokens_for(json.loads(schema)),
+            structured_outputs={"json": schema, "field": "guided_json"}) for _, schema in missing])
+        for key, output in zip(missing, outputs):
+            _OFFLINE_IDS[key] = list(output.outputs[0].token_ids)
+    return [_OFFLINE_IDS[key] for key in keys]
+
+
+_OFFLINE_IDS: dict[tuple[tuple[int, ...], str], list[int]] = {}
+
+
+def every_schema_validates(api: openai.OpenAI, model: str, llm, concurrency: int = 8) -> None:
+    """Every schema (tests/integration/schemas.py) at temperature 0 and 1 (seeded), sent
+    ``concurrency`` at a time (at most the router's queue bound), chat and completions,
+    streamed and not: every reply stops and validates (formats included), and every greedy
+    reply's tokens are the offline engine's for the same prompt and constraint."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        replies = list(pool.map(lambda request: _send(api, model, request), SCHEMA_REQUESTS))
+    for request, reply in zip(SCHEMA_REQUESTS, replies):
+        assert reply.finish_reason == "stop", (request, reply)
+        validate(reply.text, request.schema)
+    greedy = [(request, reply) for request, reply in zip(SCHEMA_REQUESTS, replies) if request.temperature == 0]
+    expected = offline_greedy_batch(llm, [(reply.prompt_token_ids, request.schema) for request, reply in greedy])
+    for (request, reply), want in zip(greedy, expected):
+        assert reply.token_ids == want, (request, reply, llm.tokenizer.decode(want))
 
 
 def chat_streamed_at_temperature_1_validates(api: openai.OpenAI, model: str, schema: dict = NESTED) -> None:

@@ -360,10 +360,13 @@ def test_the_cluster_still_serves_the_offline_greedy_tokens(cluster, llm):
 
 def test_structured_outputs_through_prefill_and_decode(cluster, llm):
     """Greedy constrained output is the offline engine's (so the colocated router's) with n-gram
-    speculation on the decode worker; sampled and streamed output obeys; gRPC carries the field."""
+    speculation on the decode worker, for every schema; sampled and streamed output obeys; gRPC
+    carries the field."""
     api = structured_checks.client(f"127.0.0.1:{http_port(cluster)}")
     model = api.models.list().data[0].id
     structured_checks.greedy_matches_the_offline_engine(api, model, llm)
+    # every schema, at most the router's queue bound in flight (more would be a 429)
+    structured_checks.every_schema_validates(api, model, llm, concurrency=MAX_QUEUED)
     structured_checks.chat_streamed_at_temperature_1_validates(api, model)
     structured_checks.choice(api, model)
     structured_checks.grpc_regex(cluster["channel"])

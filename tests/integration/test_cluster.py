@@ -195,12 +195,14 @@ def test_http_streaming_and_not_match_offline(cluster, llm, prompt_ids, transfer
 
 @pytest.mark.parametrize("transfer", ["grpc", "nixl"])
 def test_structured_outputs_and_tool_calls_over_each_transfer(cluster, llm, transfer):
-    """Greedy constrained output is the offline engine's over either KV transfer; sampled,
-    streamed output and tool calls validate (tests/integration/structured_checks.py, tool_checks.py)."""
+    """Greedy constrained output is the offline engine's over either KV transfer, for every
+    schema; sampled, streamed output and tool calls validate (tests/integration/structured_checks.py,
+    tool_checks.py)."""
     port = router(cluster, transfer).args[router(cluster, transfer).args.index("--http-port") + 1]
     api = structured_checks.client(f"127.0.0.1:{port}")
     model = api.models.list().data[0].id
     structured_checks.greedy_matches_the_offline_engine(api, model, llm)
+    structured_checks.every_schema_validates(api, model, llm)
     structured_checks.chat_streamed_at_temperature_1_validates(api, model)
     tool_checks.required_and_named_calls_validate(api, model)
 

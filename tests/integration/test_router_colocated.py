@@ -466,6 +466,10 @@ def test_structured_greedy_output_matches_the_offline_engine(router, llm):
     structured_checks.greedy_matches_the_offline_engine(structured_checks.client(router.http), router.model, llm)
 
 
+def test_every_schema_validates_and_greedy_equals_the_offline_engine(router, llm):
+    structured_checks.every_schema_validates(structured_checks.client(router.http), router.model, llm)
+
+
 def test_structured_outputs_validate_streamed_and_sampled(router):
     api = structured_checks.client(router.http)
     structured_checks.sampled_and_streamed_output_validates(api, router.model)

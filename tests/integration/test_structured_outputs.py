@@ -7,6 +7,7 @@ Compiled grammars are shared: one LLM per module, so each schema compiles once
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -16,54 +17,8 @@ import pytest
 from engine import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured.errors import StructuredOutputError
+from tests.integration.schemas import SCHEMAS, validate
 
-S = {"type": "string", "maxLength": 12}
-INT = {"type": "integer", "minimum": 0, "maximum": 999}
-
-
-def obj(**properties) -> dict:
-    """An object schema that requires every property it lists."""
-    return {"type": "object", "properties": properties, "required": list(properties)}
-
-
-def pattern(regex: str) -> dict:
-    return {"type": "string", "pattern": regex}
-
-
-def fmt(name: str) -> dict:
-    return {"type": "string", "format": name}
-
-
-def array(items: dict, lo: int, hi: int) -> dict:
-    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
-
-
-SCHEMAS = [
-    obj(name=S, age=INT),
-    {**obj(city=S, population={"type": "integer", "minimum": 1000, "maximum": 99999}), "additionalProperties": False},
-    obj(user=obj(id=INT, email=pattern("^[a-z]{1,8}@[a-z]{1,8}\\.com$"))),
-    obj(tags=array(S, 1, 3)),
-    obj(scores=array(INT, 2, 4)),
-    obj(color={"enum": ["red", "green", "blue"]}),
-    obj(status={"type": "string", "enum": ["active", "inactive", "banned"]},
-        level={"type": "integer", "enum": [1, 2, 3]}),
-    {"anyOf": [obj(kind={"const": "circle"}, r=INT), obj(kind={"const": "square"}, side=INT)]},
-    obj(value={"anyOf": [INT, {"type": "null"}, {"type": "boolean"}]}),
-    obj(code=pattern("^[A-Z]{3}-[0-9]{3}$")),
-    obj(zip=pattern("^[0-9]{5}$"), state=pattern("^[A-Z]{2}$")),
-    obj(date=fmt("date")),
-    obj(id=fmt("uuid")),
-    obj(ip=fmt("ipv4")),
-    obj(price={"type": "number", "minimum": 0, "maximum": 100},
-        qty={"type": "integer", "exclusiveMinimum": 0, "maximum": 10}),
-    obj(temp={"type": "number", "minimum": -50, "maximum": 50}),
-    obj(items=array(obj(sku=S, n=INT), 1, 2)),
-    obj(a=obj(b=obj(c=INT))),
-    array({"type": "boolean"}, 2, 3),
-    obj(ok={"type": "boolean"}, note={"type": ["string", "null"], "maxLength": 10}),
-    obj(title={"type": "string", "minLength": 2, "maxLength": 8},
-        year={"type": "integer", "minimum": 1900, "maximum": 2100}),
-]
 PROMPT = "Answer in JSON. Describe something."
 MAX_TOKENS = 80
 
@@ -75,7 +30,7 @@ def json_params(schema, **kwargs) -> SamplingParams:
 
 def check_json(output, schema):
     assert output.finish_reason == "stop", (output.text, output.finish_reason)
-    jsonschema.validate(json.loads(output.text), schema, format_checker=jsonschema.FormatChecker())
+    validate(output.text, schema)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +178,64 @@ def test_required_and_named_tool_calls_decode_to_valid_arguments(llm):
         jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
     for output in replies[1].outputs:
         jsonschema.validate(json.loads(output.text), WEATHER)
+
+
+# a string schema xgrammar takes seconds to compile (~4 s on the 2-core dev box: each length up
+# to maxLength is a grammar state), and one it compiles at once
+SLOW_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1000, "maxLength": 2000}},
+               "required": ["a"]}
+COMPILE_LIMIT_S = 0.5
+
+
+def test_a_schema_compiling_past_the_limit_is_a_400_naming_the_field(loaded_model):
+    """The router's HTTP API over a colocated engine in this process, whose compile limit is
+    COMPILE_LIMIT_S (this engine's own: the services' engines keep the default, 10 s, which a
+    test would wait out): SLOW_SCHEMA is refused with 400 naming the field it came in, as the
+    engine's StructuredOutputError maps to; the next request is served."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine.args import EngineArgs
+    from engine.config import Role
+    from engine.core import EngineCore
+    from engine.structured.params import StructuredOutputsParams
+    from services.router.backends.colocated import ColocatedBackend
+    from services.router.http.server import build_app
+    from services.router.model_info import ModelInfo
+    from services.router.pipeline.frontend import Frontend, RouterState
+
+    class Colocated(ColocatedBackend):
+        def _build_core(self) -> EngineCore:  # the session's model, not loaded again
+            config = self.engine_args.build(loaded_model.config, Role.COLOCATED)
+            self.tokenizer = loaded_model.tokenizer
+            self.model_info = ModelInfo(config.model.name, config.model.vocab_size, config.model.max_model_len)
+            core = EngineCore(config, loaded_model)
+            core.constraints.compile(StructuredOutputsParams(regex="a"))  # reads the vocabulary (~0.5 s)
+            core.constraints.timeout_s = COMPILE_LIMIT_S
+            return core
+
+    def body(schema: dict) -> dict:
+        return {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    async def scenario() -> tuple[tuple[int, dict], tuple[int, dict]]:
+        backend = Colocated(engine_args=EngineArgs(num_kv_blocks=16, max_model_len=256))
+        await backend.start()
+        try:
+            state = RouterState(backend)
+            state.frontend = Frontend(backend.tokenizer, backend, backend.model_info)
+            async with TestClient(TestServer(build_app(state), host="127.0.0.1")) as client:
+                replies = []
+                for schema in (SLOW_SCHEMA, SCHEMAS[5]):
+                    response = await client.post("/v1/chat/completions", json=body(schema))
+                    replies.append((response.status, await response.json()))
+                return replies[0], replies[1]
+        finally:
+            await backend.close()
+
+    (status, refused), (served_status, served) = asyncio.run(scenario())
+    assert status == 400, refused
+    assert refused["error"]["param"] == "response_format.json_schema", refused
+    assert f"did not compile within {COMPILE_LIMIT_S:g} s" in refused["error"]["message"], refused
+    assert served_status == 200, served
+    assert served["choices"][0]["finish_reason"] == "stop", served
+    validate(served["choices"][0]["message"]["content"], SCHEMAS[5])

@@ -1,17 +1,19 @@
 """``pdserve up`` outlives a worker: 1 prefill + 2 decode workers (gRPC KV transfer), a decode
 worker SIGKILLed under load is restarted on its port, no request fails (two of the four streams
-decode under a JSON schema: they migrate, stay exact and validate), and requests sent right
-after the kill are served. Then the other decode worker is killed: the requests sent right after
-it can only be served by the restarted one, so the router reaches it again. ``up`` logs each death
-and restart, and still exits 0 on SIGTERM (a restart in progress included), leaving no process.
+decode under a JSON schema: they migrate, stay exact and validate; every schema of
+tests/integration/schemas.py is in flight too, greedy and seeded, and validates), and requests
+sent right after the kill are served. Then the other decode worker is killed: the requests sent
+right after it can only be served by the restarted one, so the router reaches it again. ``up``
+logs each death and restart, and still exits 0 on SIGTERM (a restart in progress included),
+leaving no process.
 
-Bounded: a handful of short greedy streams; every wait has a limit.
+Bounded: short streams (the schemas' replies are short); every wait has a limit. The workers get
+256 KV blocks, so all streams fit on one decode worker after a kill.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -22,13 +24,14 @@ import time
 from pathlib import Path
 
 import grpc
-import jsonschema
 import pytest
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.wire import params_to_proto
 from tests.integration.cluster_fixtures import free_port
+from tests.integration.schemas import validate
+from tests.integration.structured_checks import PROMPT, SCHEMA_REQUESTS, max_tokens_for
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +43,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "n"]}
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [
     SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": SCHEMA})] * 2
+# in flight at the first kill too: every schema of tests/integration/schemas.py, greedy and
+# seeded; each must validate (its exactness across the migration is the two streams' above)
+SCHEMA_STREAMS = [(r.schema, SamplingParams(temperature=r.temperature, seed=r.seed, max_tokens=max_tokens_for(r.schema),
+                                             structured_outputs={"json": r.schema})) for r in SCHEMA_REQUESTS]
 STEP_TIMEOUT_S = 240.0  # each wait (ready, a restart) on a busy 2-core machine
 
 
@@ -51,7 +58,7 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--prefill", "1", "--decode", "2",
              "--transfer", "grpc", "--kvstore-gib", "0", "--http-port", str(http_port),
-             "--grpc-port", str(grpc_port), "--worker-args", "--num-kv-blocks 64",
+             "--grpc-port", str(grpc_port), "--worker-args", "--num-kv-blocks 256",
              "--drain-grace-s", "2", "--log-dir", str(tmp_path)],
             cwd=REPO, env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
@@ -99,6 +106,17 @@ async def _stream(channel: grpc.aio.Channel, prompt: list[int], params: Sampling
     call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(
         prompt_token_ids=generate_pb2.TokenIds(ids=prompt), sampling_params=params_to_proto(params)),
         timeout=STEP_TIMEOUT_S)
+    return await _read(call, params, started)
+
+
+async def _schema_stream(channel: grpc.aio.Channel, schema: dict, params: SamplingParams) -> list[int]:
+    call = generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(
+        prompt=PROMPT, sampling_params=params_to_proto(params)), timeout=STEP_TIMEOUT_S)
+    return await _read(call, params, schema=schema)
+
+
+async def _read(call, params: SamplingParams, started: asyncio.Event | None = None,
+                schema: dict = SCHEMA) -> list[int]:
     tokens: list[int] = []
     text = ""
     async for chunk in call:
@@ -107,16 +125,19 @@ async def _stream(channel: grpc.aio.Channel, prompt: list[int], params: Sampling
         if started is not None and len(tokens) >= 3:
             started.set()
     if params.structured_outputs is not None:
-        jsonschema.validate(json.loads(text), SCHEMA)
+        validate(text, schema)
     return tokens
 
 
-async def _load_with_kill(address: str, pid: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Streams of every prompt; once each has its first tokens, SIGKILL ``pid`` and send every
-    prompt again at once. Both rounds' tokens."""
+async def _load_with_kill(address: str, pid: int, with_schemas: bool = False,
+                         ) -> tuple[list[list[int]], list[list[int]]]:
+    """Streams of every prompt (and ``with_schemas``, SCHEMA_STREAMS after them: each validates);
+    once each prompt's has its first tokens, SIGKILL ``pid`` and send every prompt again at once.
+    Both rounds' tokens."""
     async with grpc.aio.insecure_channel(address) as channel:
         started = [asyncio.Event() for _ in PROMPTS]
         during = [asyncio.ensure_future(_stream(channel, p, q, e)) for p, q, e in zip(PROMPTS, PARAMS, started)]
+        during += [asyncio.ensure_future(_schema_stream(channel, s, q)) for s, q in SCHEMA_STREAMS if with_schemas]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), STEP_TIMEOUT_S)
         os.kill(pid, signal.SIGKILL)
         after = [asyncio.ensure_future(_stream(channel, p, q)) for p, q in zip(PROMPTS, PARAMS)]
@@ -139,8 +160,8 @@ def test_a_killed_decode_worker_is_restarted_and_no_request_fails(tmp_path):
         first = up.workers()
         assert sorted(first) == ["decode-0", "decode-1", "prefill-0"]
 
-        during, after = asyncio.run(_load_with_kill(address, first["decode-0"][0]))
-        assert during == expected and after == expected
+        during, after = asyncio.run(_load_with_kill(address, first["decode-0"][0], with_schemas=True))
+        assert during[:len(PROMPTS)] == expected and after == expected  # the schemas' validated
         up.wait_for("decode-0 exited with code -9; restarting it in 0.5 s")
         up.wait_for(r"decode-0 restarted \(pid \d+\), serving again")
         again = up.workers()

@@ -26,9 +26,10 @@ from services.common.grpc_errors import (
     service_error_of,
     status_first,
     status_of,
+    trailing_metadata_of,
 )
 from services.common.grpc_server import start_grpc_server
-from services.common.wire import FAILED_PEER_KEY, KV_FULL_KEY
+from services.common.wire import FAILED_PEER_KEY, INVALID_PARAM_KEY, KV_FULL_KEY
 
 
 class Servicer:
@@ -200,3 +201,23 @@ def test_a_peers_error_is_passed_on_as_the_same_kind() -> None:
     assert isinstance(full, ResourceExhausted) and full.kv_full and full.failed_peer == "decode"
     gone = service_error_of(PeerError(grpc.StatusCode.UNAVAILABLE, ()), "m")
     assert type(gone) is Unavailable and gone.message == "m"
+    refused = service_error_of(PeerError(grpc.StatusCode.INVALID_ARGUMENT, ((INVALID_PARAM_KEY, "guided_json"),)),
+                               "decode worker d: peer says")
+    assert isinstance(refused, InvalidArgument) and refused.param == "guided_json"
+
+
+def test_an_invalid_argument_names_its_field_in_trailing_metadata() -> None:
+    assert trailing_metadata_of(InvalidArgument("Generate: n=2")) == ()
+    assert trailing_metadata_of(InvalidArgument("Prefill: guided_regex: does not compile", param="guided_regex")) == (
+        (INVALID_PARAM_KEY, "guided_regex"),)
+
+
+def test_a_workers_refused_constraint_names_its_field() -> None:
+    from engine.structured.errors import StructuredOutputError
+    from services.worker.request_params import invalid_argument
+
+    refused = invalid_argument("Prefill", StructuredOutputError("guided_regex", "does not compile: ["))
+    assert (refused.message, refused.param) == ("Prefill: guided_regex: does not compile: [", "guided_regex")
+    assert trailing_metadata_of(refused) == ((INVALID_PARAM_KEY, "guided_regex"),)
+    plain = invalid_argument("Generate", ValueError("max_tokens must be >= 1"))
+    assert (plain.message, plain.param) == ("Generate: max_tokens must be >= 1", "")

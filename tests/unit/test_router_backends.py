@@ -11,11 +11,11 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import worker_pb2
-from services.common.wire import FAILED_PEER_KEY, finish_to_proto
+from services.common.wire import FAILED_PEER_KEY, INVALID_PARAM_KEY, finish_to_proto
 from services.router.backends.decode_stream import DecodeStream
 from services.router.backends.sample import Sample
 from services.router.backends.worker_errors import WorkerLost, worker_error
-from services.router.errors import BackendError, Overloaded
+from services.router.errors import BackendError, Overloaded, RefusedByBackend
 from services.router.routing.policy import LoadPolicy
 from services.router.routing.worker_pool import Worker
 
@@ -103,7 +103,12 @@ def test_decode_stream_maps_a_lost_worker_and_an_early_end_to_worker_lost():
 
 def test_worker_errors_before_and_after_the_first_event():
     worker = decode_worker()
-    assert isinstance(worker_error(worker, rpc_error(grpc.StatusCode.INVALID_ARGUMENT), False), ValueError)
+    assert type(worker_error(worker, rpc_error(grpc.StatusCode.INVALID_ARGUMENT), False)) is ValueError
+    # a refused constraint: the field comes in trailing metadata, never read out of the text
+    refused = worker_error(worker, rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "Prefill: no good", trailing=(
+        (INVALID_PARAM_KEY, "guided_regex"),)), False)
+    assert isinstance(refused, RefusedByBackend) and refused.param == "guided_regex"
+    assert refused.message == "Prefill: no good"
     assert isinstance(worker_error(worker, rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED), False), Overloaded)
     lost = worker_error(worker, rpc_error(grpc.StatusCode.INTERNAL, trailing=((FAILED_PEER_KEY,
                                                                               "prefill"),)), True)

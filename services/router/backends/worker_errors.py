@@ -4,7 +4,8 @@ worker's gRPC status to what the disaggregated backend raises, and the worker he
     worker_error(worker, exc, is_started=False)   before a sample's first event
     worker_error(worker, exc, is_started=True)    after it (the client may hold tokens)
 
-Before the first event bad input (INVALID_ARGUMENT) is the client's (ValueError) and a full
+Before the first event bad input (INVALID_ARGUMENT) is the client's (ValueError; RefusedByBackend
+naming the request field when the worker's trailing metadata names one) and a full
 worker (RESOURCE_EXHAUSTED) is pressure (Overloaded). After it, a worker lost mid-stream
 (``LOST_CODES``, or a decode worker whose prefill peer failed it) is ``WorkerLost``: the
 sample migrates (migration.py). Anything else is a BackendError naming the worker. An
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import grpc
 
+from services.common.grpc_errors import invalid_param
 from services.common.wire import FAILED_PEER_KEY, KV_FULL_KEY
-from services.router.errors import BackendError, Overloaded
+from services.router.errors import BackendError, Overloaded, RefusedByBackend
 from services.router.routing.worker_pool import Worker
 
 # A worker gone (UNAVAILABLE: connection refused / reset), or a stream the server cancelled
@@ -64,7 +66,8 @@ def worker_error(worker: Worker, exc: grpc.aio.AioRpcError, is_started: bool) ->
     code, details = exc.code(), exc.details()
     peer = failed_peer(exc)
     if code is grpc.StatusCode.INVALID_ARGUMENT and not is_started:
-        return ValueError(details)
+        param = invalid_param(exc)
+        return RefusedByBackend(details, param) if param else ValueError(details)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not is_started:
         return Overloaded(details)
     if code is grpc.StatusCode.UNAVAILABLE and peer != "decode":

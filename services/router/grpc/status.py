@@ -18,6 +18,7 @@ from typing import NoReturn
 
 import grpc
 
+from services.common.wire import INVALID_PARAM_KEY  # trailing metadata: the field an INVALID_ARGUMENT names
 from services.router.errors import (
     BackendError,
     InvalidRequest,
@@ -27,7 +28,6 @@ from services.router.errors import (
     Unavailable,
 )
 
-INVALID_PARAM_KEY = "pdserve-invalid-param"  # trailing metadata: the field an INVALID_ARGUMENT names
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: whole seconds
 
 # What a handler may abort with (anything else is a bug: grpc answers UNKNOWN and logs it).

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.structured.errors import StructuredOutputError
 from services.router.backends.backend import TokenEvent
 from services.router.deadline import set_request_deadline
-from services.router.errors import BackendError, InvalidRequest, Overloaded, RefusedByBackend, RequestTimeout
+from services.router.errors import BackendError, Overloaded, RefusedByBackend, RequestTimeout
 from services.router.pipeline.admission import Ticket
 
 if TYPE_CHECKING:
@@ -123,10 +124,8 @@ class Generation:
         except BaseException as error:
             self._has_failed = isinstance(error, (ValueError, Overloaded, BackendError))
             await self.aclose()
-            constraint = self.params.structured_outputs
-            if (isinstance(error, ValueError) and not isinstance(error, InvalidRequest) and constraint is not None
-                    and f"{constraint.field_name}: " in str(error)):  # the engine refused the constraint
-                raise RefusedByBackend(str(error), constraint.field_name) from error
+            if isinstance(error, StructuredOutputError):  # a colocated engine refused the constraint
+                raise RefusedByBackend(str(error), error.field) from error
             raise
 
     async def _before_deadline(self, awaitable: Awaitable[T]) -> T:
