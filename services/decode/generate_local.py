@@ -19,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.common.async_engine import AsyncEngine, EngineDead
 from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
-from services.common.faults import faults
 from services.common.pb import worker_pb2
-from services.common.wire import decode_response, ttft_stages_to_proto
+from services.common.wire import ttft_stages_to_proto
+from services.decode.output_stream import OutputStream
 from services.worker.request_params import compile_constraint, invalid_argument, one_sample_params
 from services.worker.stats import PrefixCounters
+
+if TYPE_CHECKING:
+    from engine.scheduler.output import RequestOutput
 
 
 async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
@@ -56,7 +60,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
         queue = engine.subscribe(request_id)
     except ValueError as exc:
         raise AlreadyExists(f"Generate: {exc}") from exc
-    finished = False
+    stream = OutputStream(engine, request_id, queue)
     # add_request as queued on the engine thread: applied even if this call is cancelled while
     # waiting, so the cleanup waits for it before aborting.
     adding = asyncio.ensure_future(
@@ -71,26 +75,23 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
                 on_added()
         taken_at = time.monotonic()
         is_first = True
-        num_streamed = 0
-        while not finished:
-            output = await engine.next_output(queue)
-            finished = output.finished
-            response = decode_response(request_id, output)
-            if is_first and (output.new_token_ids or finished):
+
+        def on_output(output: RequestOutput, response: worker_pb2.DecodeResponse) -> None:
+            nonlocal is_first  # the first response with a token (or the end) carries the TTFT stages
+            if is_first and (output.new_token_ids or output.finished):
                 response.num_cached_prompt_tokens = output.num_cached_tokens
                 response.stages.CopyFrom(ttft_stages_to_proto({
                     "prefill_queue": taken_at - arrived_at,
                     "prefill_compute": time.monotonic() - taken_at}))
                 counters.add(len(prompt), output.num_cached_tokens)
                 is_first = False
-            await context.write(response)
-            num_streamed += len(output.new_token_ids)
-            faults().after_decode_tokens(num_streamed)  # PDSERVE_FAULTS only
+
+        await stream.write_all(context, on_output)
     except EngineDead as exc:
         raise Unavailable(str(exc)) from exc
     finally:
         engine.unsubscribe(request_id)
-        if not finished:
+        if not stream.finished:
             task = asyncio.ensure_future(_abort_when_added(engine, adding, request_id))
             _CLEANUPS.add(task)
             task.add_done_callback(_CLEANUPS.discard)

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -47,24 +47,26 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common.faults import faults
 from services.common.grpc_server import AddServicer
 from services.common.pb import kv_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import (
     DECODE_SERVICE_NAME,
     KV_SERVICE_NAME,
-    decode_response,
     params_from_proto,
 )
 from services.decode.generate_local import generate_local
 from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
+from services.decode.output_stream import OutputStream
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
 from services.worker.admission import QueueLimit
 from services.worker.request_params import invalid_argument
 from services.worker.server import RoleHandler, WorkerRuntime
 from services.worker.stats import PrefixCounters, TransferCounters
+
+if TYPE_CHECKING:
+    from engine.scheduler.output import RequestOutput
 
 log = logging.getLogger(__name__)
 PUSH_DRAIN_TIMEOUT_S = 10.0  # a release waits this long for gRPC pushes in progress
@@ -202,7 +204,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                            f"{self.runtime.worker_id} (never made, lease expired after "
                            f"{self.lease_s:g} s, released, or already claimed)") from None
         request_id = reservation.reservation_id
-        finished = handed_over = False
+        handed_over = False
+        stream: OutputStream | None = None
         timer = self.runtime.metrics.request()
         try:
             vocab_size = self.engine.config.model.vocab_size
@@ -219,22 +222,19 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             queue = self.engine.subscribe(request_id)
             await self.engine.call(lambda core: core.finish_remote_kv(request_id, first_token))
             timer.on_scheduled()
-            num_streamed = 1  # the first token, sampled by the prefill worker
-            while not finished:
-                output = await self.engine.next_output(queue)
-                finished = output.finished
+            stream = OutputStream(self.engine, request_id, queue, num_streamed=1)  # the first token: prefill's
+
+            def on_output(output: RequestOutput, _: worker_pb2.DecodeResponse) -> None:
                 timer.on_output(len(output.new_token_ids))
-                if finished:
+                if output.finished:
                     timer.on_finished(output.finish_reason)
-                response = decode_response(request_id, output)
-                await context.write(response)
-                num_streamed += len(output.new_token_ids)
-                faults().after_decode_tokens(num_streamed)  # PDSERVE_FAULTS only
+
+            await stream.write_all(context, on_output)
         except EngineDead as exc:
             raise Unavailable(str(exc)) from exc
         finally:
             self.engine.unsubscribe(request_id)
-            if handed_over and not finished:
+            if handed_over and (stream is None or not stream.finished):
                 await asyncio.shield(self._abort(request_id))
             elif not handed_over:
                 self._give_up(reservation)

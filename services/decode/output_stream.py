@@ -1,0 +1,49 @@
+"""One engine request's outputs written to a gRPC call as DecodeResponses, until the finished
+one: the loop that DecodeService's Decode (after a remote prefill) and Generate (the whole
+request here) share.
+
+    stream = OutputStream(engine, request_id, queue, num_streamed=1)
+    try:
+        await stream.write_all(context, on_output)   # on_output(output, response) before each write
+    finally:
+        if not stream.finished: ...abort the engine request...
+
+``finished`` turns true when the finished output is taken from the queue (before its write: a
+client gone then leaves nothing to abort). Each write counts the tokens streamed for the fault
+injector (``PDSERVE_FAULTS=kill:decode:after_tokens=N``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.common.async_engine import AsyncEngine, OutputQueue
+from services.common.faults import faults
+from services.common.pb import worker_pb2
+from services.common.wire import decode_response
+
+if TYPE_CHECKING:
+    from engine.scheduler.output import RequestOutput
+
+
+class OutputStream:
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: OutputQueue, num_streamed: int = 0) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue = queue
+        self.num_streamed = num_streamed  # tokens the client has (a prefill worker may have sent the first)
+        self.finished = False
+
+    async def write_all(self, context: grpc.aio.ServicerContext,
+                        on_output: Callable[[RequestOutput, worker_pb2.DecodeResponse], None]) -> None:
+        while not self.finished:
+            output = await self.engine.next_output(self.queue)
+            self.finished = output.finished
+            response = decode_response(self.request_id, output)
+            on_output(output, response)
+            await context.write(response)
+            self.num_streamed += len(output.new_token_ids)
+            faults().after_decode_tokens(self.num_streamed)  # PDSERVE_FAULTS only
