@@ -1,5 +1,6 @@
 """A fixed offline workload for a paired before/after timing: batch-1 and batch-16 greedy decode."""
 import torch
+
 from engine import LLM, SamplingParams
 from engine.models.default_model import default_model_path
 from engine.models.loader import load_model
