@@ -47,11 +47,14 @@ class AlreadyExists(ServiceError):
 
 class ResourceExhausted(ServiceError):
     """This worker is full: try another one or later. ``kv_full``: no free KV blocks (the
-    router tells that apart from a full queue)."""
+    router tells that apart from a full queue). ``retry_after_s``: when to try again, where the
+    server can estimate it (the router's own admission control; 0: not said)."""
 
-    def __init__(self, message: str, *, failed_peer: str = "", kv_full: bool = False) -> None:
+    def __init__(self, message: str, *, failed_peer: str = "", kv_full: bool = False,
+                 retry_after_s: float = 0.0) -> None:
         super().__init__(message, failed_peer=failed_peer)
         self.kv_full = kv_full
+        self.retry_after_s = retry_after_s
 
 
 class FailedPrecondition(ServiceError):

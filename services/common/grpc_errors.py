@@ -7,6 +7,7 @@ metadata for what the caller acts on:
 
     failed_peer="decode"     pdserve-failed-peer: decode   (the router retries another one)
     ResourceExhausted(kv_full=True)   pdserve-kv-full: 1
+    ResourceExhausted(retry_after_s=2.5)   retry-after: 3 (whole seconds, >= 1)
     InvalidArgument(param="guided_regex")   pdserve-invalid-param: guided_regex
 
 A request-streaming call's client is first read to its end (``drain``: its messages are
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -53,7 +55,7 @@ from services.common.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.common.wire import FAILED_PEER_KEY, INVALID_PARAM_KEY, KV_FULL_KEY
+from services.common.wire import FAILED_PEER_KEY, INVALID_PARAM_KEY, KV_FULL_KEY, RETRY_AFTER_KEY
 
 STATUS_OF: dict[type[ServiceError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -88,6 +90,8 @@ def trailing_metadata_of(error: ServiceError) -> tuple[tuple[str, str], ...]:
         metadata += ((FAILED_PEER_KEY, error.failed_peer),)
     if isinstance(error, ResourceExhausted) and error.kv_full:
         metadata += ((KV_FULL_KEY, "1"),)
+    if isinstance(error, ResourceExhausted) and error.retry_after_s > 0:
+        metadata += ((RETRY_AFTER_KEY, str(max(math.ceil(error.retry_after_s), 1))),)
     if isinstance(error, InvalidArgument) and error.param:
         metadata += ((INVALID_PARAM_KEY, error.param),)
     return metadata

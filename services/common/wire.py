@@ -56,6 +56,9 @@ FAILED_PEER_KEY = "pdserve-failed-peer"
 # as opposed to a full request queue: blocks free up as running requests finish, so the router
 # waits and retries instead of refusing (a prefill worker passes it on from ReserveBlocks).
 KV_FULL_KEY = "pdserve-kv-full"
+# Trailing metadata of a RESOURCE_EXHAUSTED that says when to try again (whole seconds >= 1), as
+# HTTP's Retry-After header: the router's answer to a client when it is full.
+RETRY_AFTER_KEY = "retry-after"
 # Trailing metadata of an INVALID_ARGUMENT that names the client's request field at fault (value:
 # the field, e.g. "response_format.json_schema"): the router's 400 names it as its ``param``.
 INVALID_PARAM_KEY = "pdserve-invalid-param"

@@ -1,24 +1,26 @@
-"""The router's errors (services/router/errors.py) as gRPC status codes, in one place.
+"""The router's errors (services/router/errors.py) as the services' typed errors
+(services/common/errors.py), so the one gRPC mapper (services/common/grpc_errors.py) ends the
+call with their status and trailing metadata:
 
-    ModelNotFound     NOT_FOUND (as generate.proto documents)
-    ValueError        INVALID_ARGUMENT; an InvalidRequest's field in the trailing metadata
-                      ``pdserve-invalid-param``
-    Unavailable       UNAVAILABLE
-    Overloaded        RESOURCE_EXHAUSTED, trailing metadata ``retry-after`` (whole seconds >= 1)
-    RequestTimeout    DEADLINE_EXCEEDED
-    BackendError      INTERNAL
+    ModelNotFound     NotFound            NOT_FOUND (as generate.proto documents)
+    ValueError        InvalidArgument     INVALID_ARGUMENT; an InvalidRequest's field in the trailing
+                                          metadata ``pdserve-invalid-param``
+    Unavailable       Unavailable         UNAVAILABLE
+    Overloaded        ResourceExhausted   RESOURCE_EXHAUSTED, trailing metadata ``retry-after``
+                                          (whole seconds >= 1)
+    RequestTimeout    DeadlineExceeded    DEADLINE_EXCEEDED
+    BackendError      Internal            INTERNAL
 
 ``abort_with(context, error)`` ends the call with the error's status; it never returns.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NoReturn
 
 import grpc
 
-from services.common.wire import INVALID_PARAM_KEY  # trailing metadata: the field an INVALID_ARGUMENT names
+from services.common import errors, grpc_errors
 from services.router.errors import (
     BackendError,
     InvalidRequest,
@@ -28,34 +30,29 @@ from services.router.errors import (
     Unavailable,
 )
 
-RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: whole seconds
-
 # What a handler may abort with (anything else is a bug: grpc answers UNKNOWN and logs it).
 MAPPED = (ValueError, Overloaded, BackendError)
 
 
-def status_of(error: Exception) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
-    """The status code and trailing metadata ``error`` maps to (module docstring)."""
+def service_error(error: Exception) -> errors.ServiceError:
+    """The services' error ``error`` stands for (module docstring)."""
+    message = str(error)
     if isinstance(error, ModelNotFound):
-        return grpc.StatusCode.NOT_FOUND, ()
+        return errors.NotFound(message)
     if isinstance(error, ValueError):
         param = error.param if isinstance(error, InvalidRequest) else None
-        return grpc.StatusCode.INVALID_ARGUMENT, ((INVALID_PARAM_KEY, param),) if param else ()
+        return errors.InvalidArgument(message, param=param or "")
     if isinstance(error, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, ()
+        return errors.Unavailable(message)
     if isinstance(error, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, (
-            (RETRY_AFTER_KEY, str(max(math.ceil(error.retry_after_s), 1))),)
+        return errors.ResourceExhausted(message, retry_after_s=max(error.retry_after_s, 1.0))
     if isinstance(error, RequestTimeout):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, ()
+        return errors.DeadlineExceeded(message)
     if isinstance(error, BackendError):
-        return grpc.StatusCode.INTERNAL, ()
+        return errors.Internal(message)
     raise TypeError(f"no gRPC status for {type(error).__name__}: {error}") from error
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
-    code, trailing = status_of(error)
-    if trailing:
-        context.set_trailing_metadata(trailing)
-    await context.abort(code, str(error))
+    await grpc_errors.abort_with(context, service_error(error))
     raise AssertionError("context.abort returned")  # it raises; this tells the type checker
