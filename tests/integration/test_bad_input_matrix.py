@@ -1,6 +1,7 @@
 """The bad-input matrix (issue 16): every class of hostile or broken input, over HTTP and over
 the public gRPC API, against one real cluster (router + 1 prefill + 1 decode worker with
-n-gram speculation, real processes, gRPC KV transfer).
+n-gram speculation, real processes, gRPC KV transfer; a second router moves the same workers' KV
+over NIXL for the structured-output checks).
 
 Each row is refused at the router with the status it names and the field it names (HTTP: the
 error's ``param``; gRPC: INVALID_ARGUMENT with trailing metadata ``pdserve-invalid-param``),
@@ -9,8 +10,9 @@ carries a stack trace or a file path. The exception: a structured-output constra
 grammar engine can judge (a regex or grammar that does not compile, a schema it rejects) is
 refused by the prefill worker's engine before it asks the decode worker to reserve anything,
 and the router answers the same 400 naming the field. Structured outputs themselves are served
-through this cluster by ``test_structured_outputs_through_prefill_and_decode``
-(tests/integration/structured_checks.py; the colocated router runs the same checks).
+through this cluster by ``test_structured_outputs_through_prefill_and_decode`` and, over NIXL,
+``test_every_schema_over_nixl_with_ngram_speculation`` (tests/integration/structured_checks.py;
+the colocated router runs the same checks).
 
 The rows that are not errors are handled without harm: control-token strings in a user
 message stay text, penalties and seeds work with speculative decoding. Deadlines (the
@@ -213,18 +215,21 @@ def cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("matrix-logs")
     common = ["--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "WARNING",
               "--metrics-port", "-1"]
-    prefill = start_worker("prefill", log_dir, *common, transfer="grpc")
-    decode = start_worker("decode", log_dir, *common, "--spec-method", "ngram", "--spec-k", "3",
-                          transfer="grpc")
+    # the workers take KV over gRPC and NIXL: the limits' router uses gRPC; a second router, with
+    # the default limits, NIXL (the structured-output checks run through both)
+    prefill = start_worker("prefill", log_dir, *common)
+    decode = start_worker("decode", log_dir, *common, "--spec-method", "ngram", "--spec-k", "3")
     router = start_router(log_dir, [prefill], [decode], "grpc", "--max-model-len", str(MAX_MODEL_LEN),
                           "--max-body-bytes", str(MAX_BODY_BYTES), "--max-queued-requests",
                           str(MAX_QUEUED))
+    nixl_router = start_router(log_dir, [prefill], [decode], "nixl", "--max-model-len", str(MAX_MODEL_LEN))
     try:
-        wait_serving([prefill, decode, router], timeout_s=400.0)
+        wait_serving([prefill, decode, router, nixl_router], timeout_s=400.0)
         with grpc.insecure_channel(router.address) as channel:
-            yield {"prefill": prefill, "decode": decode, "router": router, "channel": channel}
+            yield {"prefill": prefill, "decode": decode, "router": router, "channel": channel,
+                   "nixl_router": nixl_router}
     finally:
-        stop_all([router])
+        stop_all([router, nixl_router])
         stop_all([prefill, decode])
 
 
@@ -233,8 +238,8 @@ def llm(loaded_model):
     yield from oracle_llm(loaded_model, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
 
 
-def http_port(cluster) -> int:
-    args = cluster["router"].args
+def http_port(cluster, router: str = "router") -> int:
+    args = cluster[router].args
     return int(args[args.index("--http-port") + 1])
 
 
@@ -374,6 +379,14 @@ def test_structured_outputs_through_prefill_and_decode(cluster, llm):
     # is longer than this cluster's context: the colocated router runs it)
     tool_checks.required_and_named_calls_validate(api, model)
     tool_checks.bad_tools_get_400_and_the_server_keeps_serving(api, model)
+    assert_idle(cluster)
+
+
+def test_every_schema_over_nixl_with_ngram_speculation(cluster, llm):
+    """The same workers (n-gram speculation on the decode worker) behind a router that moves the
+    KV over NIXL: every schema's replies valid, greedy ones the offline engine's."""
+    api = structured_checks.client(f"127.0.0.1:{http_port(cluster, 'nixl_router')}")
+    structured_checks.every_schema_validates(api, api.models.list().data[0].id, llm)
     assert_idle(cluster)
 
 

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,15 +51,16 @@ class RouterProcess:
     channel: grpc.Channel
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("router") / "router.log"
+def running_router(log_dir: Path, *flags: str) -> Iterator[RouterProcess]:
+    """Body of a module fixture: ``pdserve serve router --colocated`` with ``flags``, once ready;
+    at the end SIGTERM, and it must drain and exit 0."""
+    log_path = log_dir / "router.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), **ONE_THREAD}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", "router", "--colocated",
              "--http-port", "0", "--grpc-port", "0", "--kv-cache-memory", str(48_000_000),
-             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"],
+             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", *flags],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
@@ -75,6 +77,11 @@ def router(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    yield from running_router(tmp_path_factory.mktemp("router"))
 
 
 @pytest.fixture(scope="module")
@@ -468,6 +475,18 @@ def test_structured_greedy_output_matches_the_offline_engine(router, llm):
 
 def test_every_schema_validates_and_greedy_equals_the_offline_engine(router, llm):
     structured_checks.every_schema_validates(structured_checks.client(router.http), router.model, llm)
+
+
+@pytest.fixture(scope="module")
+def router_ngram(tmp_path_factory):
+    """A second colocated router, speculating with n-grams (the other one does not)."""
+    yield from running_router(tmp_path_factory.mktemp("router-ngram"), "--spec-method", "ngram", "--spec-k", "3")
+
+
+def test_every_schema_under_ngram_speculation_equals_the_offline_engine(router_ngram, llm):
+    """Speculation on, colocated: every reply valid, greedy token for token the offline engine's
+    without speculation (the disaggregated side: test_bad_input_matrix, test_cluster)."""
+    structured_checks.every_schema_validates(structured_checks.client(router_ngram.http), router_ngram.model, llm)
 
 
 def test_structured_outputs_validate_streamed_and_sampled(router):
