@@ -7,34 +7,25 @@ import grpc
 import pytest
 
 from services.common.grpc_errors import status_of, trailing_metadata_of
-from services.router.errors import (
-    BackendError,
-    InvalidRequest,
-    ModelNotFound,
-    NotServing,
-    Overloaded,
-    RefusedByBackend,
-    RequestTimeout,
-    Unavailable,
-)
+from services.router import errors as e
 from services.router.grpc.status import service_error
 
 CODE = grpc.StatusCode
 
 
 @pytest.mark.parametrize("error, code, metadata", [
-    (ModelNotFound("gpt-9", "smollm2"), CODE.NOT_FOUND, ()),
-    (InvalidRequest("max_tokens must be >= 1", "max_tokens"), CODE.INVALID_ARGUMENT,
+    (e.ModelNotFound("gpt-9", "smollm2"), CODE.NOT_FOUND, ()),
+    (e.InvalidRequest("max_tokens must be >= 1", "max_tokens"), CODE.INVALID_ARGUMENT,
      (("pdserve-invalid-param", "max_tokens"),)),
-    (RefusedByBackend("guided_regex: does not compile", "guided_regex"), CODE.INVALID_ARGUMENT,
+    (e.RefusedByBackend("guided_regex: does not compile", "guided_regex"), CODE.INVALID_ARGUMENT,
      (("pdserve-invalid-param", "guided_regex"),)),
     (ValueError("a backend's verdict"), CODE.INVALID_ARGUMENT, ()),
-    (Overloaded("full", retry_after_s=2.2), CODE.RESOURCE_EXHAUSTED, (("retry-after", "3"),)),
-    (Overloaded("full", retry_after_s=0.1), CODE.RESOURCE_EXHAUSTED, (("retry-after", "1"),)),
-    (Unavailable("no healthy decode worker"), CODE.UNAVAILABLE, ()),
-    (NotServing("draining"), CODE.UNAVAILABLE, ()),
-    (RequestTimeout("deadline passed"), CODE.DEADLINE_EXCEEDED, ()),
-    (BackendError("decode worker lost"), CODE.INTERNAL, ()),
+    (e.Overloaded("full", retry_after_s=2.2), CODE.RESOURCE_EXHAUSTED, (("retry-after", "3"),)),
+    (e.Overloaded("full", retry_after_s=0.1), CODE.RESOURCE_EXHAUSTED, (("retry-after", "1"),)),
+    (e.Unavailable("no healthy decode worker"), CODE.UNAVAILABLE, ()),
+    (e.NotServing("draining"), CODE.UNAVAILABLE, ()),
+    (e.RequestTimeout("deadline passed"), CODE.DEADLINE_EXCEEDED, ()),
+    (e.BackendError("decode worker lost"), CODE.INTERNAL, ()),
 ])
 def test_each_router_error_has_its_status_and_metadata(error, code, metadata):
     mapped = service_error(error)
