@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
-import jsonschema
 
 from engine.sampling_params import SamplingParams
 from services.common.pb import generate_pb2, generate_pb2_grpc
@@ -66,10 +65,6 @@ def json_schema(schema: dict, name: str = "answer") -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-def check(text: str, schema: dict) -> None:
-    jsonschema.validate(json.loads(text), schema)
-
-
 _OFFLINE: dict[str, tuple[list[int], str]] = {}  # schema -> the offline engine's greedy output, once a session
 
 
@@ -92,7 +87,7 @@ def greedy_matches_the_offline_engine(api: openai.OpenAI, model: str, llm) -> No
         choice = reply.choices[0]
         assert choice.model_extra["token_ids"] == expected_ids, (choice.text, expected_text)
         assert choice.finish_reason == "stop", choice
-        check(choice.text, schema)
+        validate(choice.text, schema)
 
 
 SCHEMA_MAX_TOKENS = 80
@@ -201,7 +196,7 @@ def chat_streamed_at_temperature_1_validates(api: openai.OpenAI, model: str, sch
                                          extra_body={"guided_json": schema})
     parts = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
     assert parts[-1][1] == "stop", parts
-    check("".join(text for text, _ in parts), schema)
+    validate("".join(text for text, _ in parts), schema)
 
 
 def sampled_and_streamed_output_validates(api: openai.OpenAI, model: str) -> None:
@@ -210,11 +205,11 @@ def sampled_and_streamed_output_validates(api: openai.OpenAI, model: str) -> Non
     reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
                                         max_tokens=MAX_TOKENS, temperature=0, response_format=json_schema(NESTED))
     assert reply.choices[0].finish_reason == "stop", reply
-    check(reply.choices[0].message.content, NESTED)
+    validate(reply.choices[0].message.content, NESTED)
     chat_streamed_at_temperature_1_validates(api, model)
     stream = api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1, seed=5,
                                     stream=True, extra_body={"response_format": json_schema(NESTED)})
-    check("".join(c.choices[0].text for c in stream if c.choices), NESTED)
+    validate("".join(c.choices[0].text for c in stream if c.choices), NESTED)
 
 
 def choice(api: openai.OpenAI, model: str) -> None:
