@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.cpu import CpuKernelsUnavailable, library
+from kernels.kv_quant import quantize_rows
 from kernels.paged_attention_ref import paged_attention_ref
 from tests.kernels.helpers import draw_attention_batch
 
@@ -153,6 +154,41 @@ def test_two_threads_and_split_kv():
     assert_matches_reference(make_case([1100], [1], 9, 3))
     assert_matches_reference(make_case([900, 2000], [8, 1], 9, 3))
     assert_matches_reference(make_case(*DECODE_RAGGED, 9, 3))
+
+
+def rows_one_at_a_time(args: tuple) -> torch.Tensor:
+    """Every query row of the first sequence of args computed alone, as a decode step at its
+    position (one row per call: the per-query step unless the group alone has 8 queries)."""
+    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, _, scale = args
+    seq_len, q_len = int(seq_lens[0]), int(cu_seqlens_q[1])
+    rows = [paged_attention(query[i:i + 1], key_cache, value_cache, block_tables[:1],
+                            torch.tensor([seq_len - q_len + i + 1], dtype=seq_lens.dtype),
+                            torch.tensor([0, 1], dtype=cu_seqlens_q.dtype), 1, scale)
+            for i in range(q_len)]
+    return torch.cat(rows)
+
+
+# A token's attention output must not depend on which step served it: greedy decoding with
+# speculation (a 4-6 row verification item), after a preemption (its tokens recomputed in a
+# 16-row prompt chunk) and alone must see the same bits, or int8 activations (--weight-format
+# q4/auto) round the last-ulp differences into different codes and change the tokens.
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # the two unrolled widths and the loop
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+def test_rows_of_an_item_equal_the_same_rows_alone(cache_dtype, head_dim, num_heads, num_kv_heads):
+    for seq_len, q_len, block_size in [(47, 5, 16), (61, 16, 8), (203, 7, 32)]:
+        args = make_case([seq_len], [q_len], num_heads, num_kv_heads, head_dim=head_dim, block_size=block_size)
+        if cache_dtype is torch.bfloat16:
+            args = (args[0], args[1].bfloat16(), args[2].bfloat16(), *args[3:])
+        elif cache_dtype is torch.int8:
+            args = (args[0], *quantized_caches(args[1], args[2]), *args[3:])
+        together = paged_attention(*args)
+        assert torch.equal(together, rows_one_at_a_time(args)), (seq_len, q_len, block_size)
+
+
+def quantized_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows with their fp32 scale bytes, in the layout of kernels/kv_quant.py."""
+    return quantize_rows(key_cache, torch.int8), quantize_rows(value_cache, torch.int8)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

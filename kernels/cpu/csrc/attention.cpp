@@ -17,8 +17,9 @@
 //     acc_i   += p[i][j] * V_j
 //   out_i = acc_i / l_i
 //
-// Two inner steps compute the same thing. An item with fewer than kMinMultiQueries queries
-// (decode, short spec verification) takes the per-query step below: kLanes dot products per
+// Two inner steps compute the same thing, bit for bit (attention_tile.h says how). An item
+// with fewer than kMinMultiQueries queries (decode, short spec verification) takes the
+// per-query step below: kLanes dot products per
 // query folded by a shuffle tree. An item with more (a prompt chunk: 16 rows x the group) takes
 // the multi-query step of attention_tile.h: the K tile transposed once, then scores and P x V as
 // register-blocked GEMMs over all its queries.

@@ -78,7 +78,7 @@ inline void attend_tile_per_query(const TileRows& t, int64_t nq, int64_t head_di
     const vfloat scores = tile_scores<NV>(t.q + i * head_dim, k_rows, k_stride, visible, nv);
     // online softmax: rescale what was accumulated when the running max grows
     const float m_new = std::max(t.m[i], vmax_lane(scores));
-    const float correction = std::exp2(t.m[i] - m_new);
+    const float correction = vexp2(vsplat(t.m[i] - m_new))[0];  // the multi-query step's exp2
     const vfloat weights = vexp2(scores - m_new);
     t.l[i] = t.l[i] * correction + vsum(weights);
     t.m[i] = m_new;

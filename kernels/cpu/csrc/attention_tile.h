@@ -6,8 +6,8 @@
 // prefix: 16 rows x the GQA group) that is mostly shuffles and loads, not FMAs. Here the key tile
 // is transposed once into scratch (kt[d][j] = K_j[d]) and shared by all the item's queries:
 //
-//   S[i][:]  = sum_d q_i[d] * kt[d][:]       kScoreRows queries at a time, one FMA per (query, d),
-//                                           kScoreRows independent accumulators in registers
+//   S[i][:]  = sum_d q_i[d] * kt[d][:]       kTreeRows queries at a time, one FMA per (query, d),
+//                                           summed in the per-query step's order (below)
 //   online softmax per query (as the per-query step; the block's corrections in one vexp2),
 //   P[i][j] to scratch
 //   acc[i]   = acc[i] * corr_i + sum_j P[i][j] * V_j     kPvRows queries x up to 4 vectors of
@@ -15,6 +15,12 @@
 //                                           kPvRows queries
 //
 // Query rows are padded to kQueryPad in scratch; padded rows never see a key (P = 0, corr = 1).
+//
+// Both steps give a query the same result bit for bit, whichever served it (a token verified in a
+// 5-row item, recomputed in a prompt chunk or decoded alone): the same sum order for its scores
+// (score_rows), the same exp2 for its corrections (vexp2) and the same P x V order. Quantized
+// activations turn the last-ulp differences of two orders into different int8 codes, so greedy
+// output with speculation or after a preemption would depend on the batch otherwise.
 #pragma once
 
 #include <algorithm>
@@ -97,16 +103,58 @@ inline void transpose_tile(const float* rows, int64_t stride, int64_t n, int64_t
   }
 }
 
+// Scores in the per-query step's order (attention_query.h: tile_scores): for each lane class l
+// (the dimensions d = c * kLanes + l) a sequential sum over c, then the classes folded pairwise,
+// l with l + kLanes / 2, then l with l + kLanes / 4, ..., as its shuffle tree adds them. Here
+// lane j holds key j, so every fold is a plain vector add. The tree runs depth first over
+// kTreeRows queries, kLeaves lane classes at a time (kTreeRows x kLeaves independent FMA chains:
+// 8 keep two FMA ports busy), so at most log2(kLanes) partial sums per query wait in registers.
+constexpr int kTreeRows = kLanes == 16 ? 4 : 2;
+constexpr int kLeaves = kLanes == 16 ? 2 : kLanes / 2;  // 26 of 32 zmm, or 14 of 16 ymm, in use
+static_assert(kScoreRows % kTreeRows == 0, "score_rows takes kTreeRows queries at a time");
+
+// Leaves L0, L0 + kLanes / kLeaves, ... (each its own sum over c), folded into one node.
+template <int L0>
+inline void score_leaves(const float* q, int64_t head_dim, const float* kt, vfloat* out) {
+  constexpr int kStep = kLanes / kLeaves;
+  vfloat a[kLeaves][kTreeRows] = {};
+  for (int64_t c = 0; c < head_dim; c += kLanes) {
+#pragma GCC unroll 8
+    for (int f = 0; f < kLeaves; ++f) {
+      const int l = L0 + f * kStep;
+      const vfloat k = vload(kt + (c + l) * kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < kTreeRows; ++r) a[f][r] += vsplat(q[r * head_dim + c + l]) * k;
+    }
+  }
+  // the folds inside the node: leaf f with f + width, width = kLeaves / 2, ..., 1
+#pragma GCC unroll 8
+  for (int width = kLeaves / 2; width >= 1; width /= 2)
+#pragma GCC unroll 8
+    for (int f = 0; f < width; ++f)
+#pragma GCC unroll 4
+      for (int r = 0; r < kTreeRows; ++r) a[f][r] += a[f + width][r];
+#pragma GCC unroll 4
+  for (int r = 0; r < kTreeRows; ++r) out[r] = a[0][r];
+}
+
+// The tree node over lane classes L0, L0 + Step, L0 + 2 Step, ...: its left half + its right half.
+template <int L0, int Step>
+inline void score_node(const float* q, int64_t head_dim, const float* kt, vfloat* out) {
+  if constexpr (Step * kLeaves == kLanes) {
+    score_leaves<L0>(q, head_dim, kt, out);
+  } else {
+    vfloat right[kTreeRows];
+    score_node<L0, 2 * Step>(q, head_dim, kt, out);
+    score_node<L0 + Step, 2 * Step>(q, head_dim, kt, right);
+#pragma GCC unroll 4
+    for (int r = 0; r < kTreeRows; ++r) out[r] += right[r];
+  }
+}
+
 // scores[r] lane j = q_r . K_j for the kScoreRows query rows at q (stride head_dim).
 inline void score_rows(const float* q, int64_t head_dim, const float* kt, vfloat* scores) {
-  vfloat acc[kScoreRows] = {};
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const vfloat k = vload(kt + d * kLanes);
-#pragma GCC unroll 8
-    for (int r = 0; r < kScoreRows; ++r) acc[r] += vsplat(q[r * head_dim + d]) * k;
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < kScoreRows; ++r) scores[r] = acc[r];
+  for (int r = 0; r < kScoreRows; r += kTreeRows) score_node<0, 1>(q + r * head_dim, head_dim, kt, scores + r);
 }
 
 // acc_r = acc_r * corr_r + sum_{j < n} p[r][j] * V_j for the kPvRows rows at acc (stride
