@@ -212,8 +212,10 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype of the weights and activations
     seed: int = 0
     num_threads: int = 0  # CPU compute threads (0: every CPU this process may run on)
-    # matmul weights: fp32, or GGUF blocks read by the quantized kernels (engine/models/quant_weights.py)
-    weight_format: str = "fp32"
+    # matmul weights: the GGUF's own blocks where a kernel reads them in float32 (auto: as llama.cpp
+    # serves a GGUF on a CPU; dense weights in any other dtype, so bf16 on CUDA), dense fp32, or all
+    # Q8_0 / 4-bit (engine/models/quant_weights.py)
+    weight_format: str = "auto"
     # CUDA: decode steps replay captured graphs (engine/runner/cuda_graphs.py) unless this is set
     enforce_eager: bool = False
 

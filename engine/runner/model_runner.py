@@ -73,7 +73,11 @@ class ModelRunner:
             configure_cpu_threads(config.num_threads, self.backend)
         plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
                               config.dtype)
-        ops = get_ops(self.backend, model_dims(loaded.config))
+        # GGUF blocks: the compiled kernels serve every size. Their quantized matmul is the format's
+        # arithmetic (int8 activations, kernels/quant_cpu.py); the calibration's torch candidate
+        # (dequantize, fp32 matmul) computes other numbers, and choosing between the two by batch
+        # size would make a request's greedy tokens depend on what it was batched with.
+        ops = get_ops(self.backend, None if plan is not None else model_dims(loaded.config))
         if is_quantized(config.cache.dtype) or config.cache.dtype != config.dtype:
             ops = kv_quant_ops(ops, self.backend)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, ops, self.device, dtype,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # the prompts and HF's tokens: session fixtures (
 
 @pytest.fixture(scope="module")
 def llm(loaded_model):
-    return LLM(loaded_model, max_num_batched_tokens=512)
+    return LLM(loaded_model, weight_format="fp32", max_num_batched_tokens=512)  # HF's weights, dense
 
 
 def test_greedy_batched_equals_hf(llm, parity_prompts, hf_greedy):
