@@ -148,8 +148,8 @@ def test_prompt_chunk_on_a_long_cached_prefix(num_threads):
 
 
 def test_two_threads_and_split_kv():
-    # one or two sequences over 1-2k keys make fewer work items than 2 threads x 8: their keys
-    # split into parts of >= 256 (decode and an 8-row verify tile), merged after
+    # sequences over 1-2k keys split their keys at every 512 (decode and an 8-row verify tile),
+    # the segments run on both threads and merge after
     torch.set_num_threads(2)  # the autouse fixture restores it
     assert_matches_reference(make_case([1100], [1], 9, 3))
     assert_matches_reference(make_case([900, 2000], [8, 1], 9, 3))
@@ -176,7 +176,8 @@ def rows_one_at_a_time(args: tuple) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # the two unrolled widths and the loop
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 def test_rows_of_an_item_equal_the_same_rows_alone(cache_dtype, head_dim, num_heads, num_kv_heads):
-    for seq_len, q_len, block_size in [(47, 5, 16), (61, 16, 8), (203, 7, 32)]:
+    # the last two pass a split-KV boundary (512 keys): inside the item, or between its rows
+    for seq_len, q_len, block_size in [(47, 5, 16), (61, 16, 8), (203, 7, 32), (1100, 16, 16), (520, 12, 8)]:
         args = make_case([seq_len], [q_len], num_heads, num_kv_heads, head_dim=head_dim, block_size=block_size)
         if cache_dtype is torch.bfloat16:
             args = (args[0], args[1].bfloat16(), args[2].bfloat16(), *args[3:])
@@ -184,6 +185,9 @@ def test_rows_of_an_item_equal_the_same_rows_alone(cache_dtype, head_dim, num_he
             args = (args[0], *quantized_caches(args[1], args[2]), *args[3:])
         together = paged_attention(*args)
         assert torch.equal(together, rows_one_at_a_time(args)), (seq_len, q_len, block_size)
+        torch.set_num_threads(2)  # the autouse fixture restores it: other items, other threads
+        assert torch.equal(paged_attention(*args), together), (seq_len, q_len, block_size)
+        torch.set_num_threads(1)
 
 
 def quantized_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,10 +25,12 @@
 // register-blocked GEMMs over all its queries.
 //
 // Items go to threads through one atomic counter, longest first, so a long prefill chunk in a
-// batch of decodes does not leave a thread idle behind a static split. When there are fewer
-// than kItemsPerThread items per thread (batch-1 decode over a long context: 3 items for 2
-// threads), items split their keys into parts of >= kMinSplitKeys whose partial softmax
-// results merge afterwards (split-KV). Tiny batches (< kSerialCost) stay on the calling thread.
+// batch of decodes does not leave a thread idle behind a static split. An item whose keys pass
+// kSegmentKeys splits them at every multiple of it (split-KV): the segments run as items of
+// their own and their partial softmax results merge afterwards, always in segment order. The
+// boundaries depend on nothing but the position, so a query gets the same bits whatever its
+// batch, its item and the thread count (a batch-1 decode over 2k keys also gets 4 x its heads'
+// items for the threads). Tiny batches (< kSerialCost) stay on the calling thread.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -53,8 +55,7 @@ namespace {
 // head's K/V from L3; 32 gained nothing more)
 constexpr int kRowsPerItem = 16;
 constexpr int64_t kSerialCost = 8192;  // below this many (query head x key) dot products: one thread
-constexpr int64_t kItemsPerThread = 8;  // fewer items than this per thread: split their keys
-constexpr int64_t kMinSplitKeys = 256;  // ... into parts of at least this many keys
+constexpr int64_t kSegmentKeys = 512;  // split-KV boundaries (rounded up to a whole block)
 constexpr int64_t kMinMultiQueries = 8;  // items with this many queries take the multi-query step
 
 template <class R, int NV>
@@ -111,9 +112,9 @@ void attend(const Layout& L, const WorkItem& w, Scratch& s, Partials& partials) 
   }
   if (w.partial >= 0) {
     const int64_t slot = w.partial * partials.max_queries;
-    std::copy(s.m.begin(), s.m.begin() + nq, partials.m.begin() + slot);
-    std::copy(s.l.begin(), s.l.begin() + nq, partials.l.begin() + slot);
-    std::copy(s.acc.begin(), s.acc.begin() + nq * L.head_dim, partials.acc.begin() + slot * L.head_dim);
+    std::copy(s.m.begin(), s.m.begin() + nq, partials.m.get() + slot);
+    std::copy(s.l.begin(), s.l.begin() + nq, partials.l.get() + slot);
+    std::copy(s.acc.begin(), s.acc.begin() + nq * L.head_dim, partials.acc.get() + slot * L.head_dim);
     return;
   }
   for (int64_t i = 0; i < nq; ++i) {
@@ -233,35 +234,30 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   for (const WorkItem& w : items) max_rows = std::max(max_rows, w.num_rows);
   const int64_t num_threads = at::get_num_threads(), max_queries = max_rows * L.group;
   const bool is_parallel = num_threads > 1 && total_cost * L.group >= kSerialCost;
-  // Few long items (batch-1 decode over a long context): split their keys so every thread has work.
-  std::vector<WorkItem> split_firsts;  // first split of each item that was split, for the merge
+  // Items over more than one segment: one item per segment, merged after.
+  const int64_t segment = round_up(kSegmentKeys, block_size);
+  std::vector<WorkItem> split_firsts;  // first segment of each item that was split, for the merge
   std::vector<int64_t> split_counts;
   int64_t num_partials = 0;
-  const int64_t wanted_items = num_threads * kItemsPerThread;
-  if (is_parallel && static_cast<int64_t>(items.size()) < wanted_items) {
-    const int64_t max_splits = (wanted_items + items.size() - 1) / items.size();
-    std::vector<WorkItem> split_items;
-    for (const WorkItem& w : items) {
-      const int64_t num_splits = std::min(max_splits, w.key_end / kMinSplitKeys);
-      if (num_splits < 2) {
-        split_items.push_back(w);
-        continue;
-      }
-      const int64_t blocks_per_split = (w.key_end + num_splits * block_size - 1) / (num_splits * block_size);
-      int64_t count = 0;
-      for (int64_t begin = 0; begin < w.key_end; begin += blocks_per_split * block_size, ++count) {
-        WorkItem part = w;
-        part.key_begin = begin;
-        part.key_end = std::min(w.key_end, begin + blocks_per_split * block_size);
-        part.partial = num_partials + count;
-        split_items.push_back(part);
-      }
-      split_firsts.push_back(split_items[split_items.size() - count]);
-      split_counts.push_back(count);
-      num_partials += count;
+  std::vector<WorkItem> split_items;
+  for (const WorkItem& w : items) {
+    if (w.key_end <= segment) {
+      split_items.push_back(w);
+      continue;
     }
-    items.swap(split_items);
+    int64_t count = 0;
+    for (int64_t begin = 0; begin < w.key_end; begin += segment, ++count) {
+      WorkItem part = w;
+      part.key_begin = begin;
+      part.key_end = std::min(w.key_end, begin + segment);
+      part.partial = num_partials + count;
+      split_items.push_back(part);
+    }
+    split_firsts.push_back(split_items[split_items.size() - count]);
+    split_counts.push_back(count);
+    num_partials += count;
   }
+  items.swap(split_items);
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost() > b.cost(); });
   Partials partials(num_partials, max_queries, head_dim);

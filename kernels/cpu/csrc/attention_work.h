@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "attention_tile.h"
@@ -65,13 +66,14 @@ struct WorkItem {
   int64_t cost() const { return num_rows * (key_end - key_begin); }
 };
 
-// Split-KV results: unnormalised accumulators with their running max and sum, per query.
+// Split-KV results: unnormalised accumulators with their running max and sum, per query (left
+// uninitialised: each slot's queries are written by its item before the merge reads them).
 struct Partials {
   int64_t max_queries, head_dim;
-  std::vector<float> acc, m, l;
+  std::unique_ptr<float[]> acc, m, l;
   Partials(int64_t num_slots, int64_t max_queries, int64_t head_dim)
-      : max_queries(max_queries), head_dim(head_dim), acc(num_slots * max_queries * head_dim),
-        m(num_slots * max_queries), l(num_slots * max_queries) {}
+      : max_queries(max_queries), head_dim(head_dim), acc(new float[num_slots * max_queries * head_dim]),
+        m(new float[num_slots * max_queries]), l(new float[num_slots * max_queries]) {}
 };
 
 // Scratch of one thread, reused across its items: num_rows * group queries (padded to
@@ -104,7 +106,8 @@ void merge_splits(const Layout& L, const WorkItem& w, int64_t num_splits, const 
     }
     float* dst = L.out + (w.first_token + i / L.group) * L.o_stride_token +
                  (w.kv_head * L.group + i % L.group) * L.o_stride_head;
-    for (int64_t c = 0; c < nv; ++c) vstore(dst + c * kLanes, acc[c] / l_sum);
+    const float inv = 1.f / l_sum;  // as attend() normalises an item that was not split
+    for (int64_t c = 0; c < nv; ++c) vstore(dst + c * kLanes, acc[c] * inv);
   }
 }
 
