@@ -335,18 +335,20 @@ def test_odd_but_valid_input_is_handled_without_harm(cluster):
 
 
 def test_deadlines_end_requests_and_free_kv_on_both_workers(cluster):
-    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    # 8 greedy streams of 200 tokens: 4.5 s on the 2-core Xeon with GGUF weights (one stream
+    # takes 1.2 s there, too close to a deadline), so each deadline below falls mid-request
+    long = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "n": 8}
     status, _, text = post(cluster, "/v1/completions", {**long, "timeout": 0.5})
     assert status == 504 and json.loads(text)["error"]["code"] == "deadline_exceeded", text
     assert_idle(cluster)
-    status, _, text = post(cluster, "/v1/completions", {**long, "timeout": 2.0, "stream": True})
+    status, _, text = post(cluster, "/v1/completions", {**long, "timeout": 1.5, "stream": True})
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]", text[-500:]
     assert json.loads(events[-2])["error"]["code"] == "deadline_exceeded", events[-2]
     assert_idle(cluster)
     with pytest.raises(grpc.RpcError) as info:
         generate(cluster, timeout=1.0, prompt=PROMPT, sampling_params=generate_pb2.SamplingParams(
-            max_tokens=200, ignore_eos=True, temperature=0))
+            max_tokens=200, ignore_eos=True, temperature=0, n=8))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_idle(cluster)
 

@@ -34,10 +34,12 @@ from tests.integration.cluster_fixtures import (
 
 pytestmark = pytest.mark.slow
 
-NUM_BLOCKS = 96
+NUM_BLOCKS = 256
 LEASE_MS = 1500
 BUDGET = 8  # --max-num-batched-tokens of the prefill worker
-PROMPT_LEN = 200
+# a prompt's prefill at BUDGET tokens a step takes ~1 s on the 2-core Xeon with GGUF weights
+# (600 tokens; 200 took 1 s in fp32): the lease tests need it to outlast a renewal
+PROMPT_LEN = 600
 NIXL, GRPC = worker_pb2.KV_TRANSFER_METHOD_NIXL, worker_pb2.KV_TRANSFER_METHOD_GRPC
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 _prompt_seeds = itertools.count(1)
@@ -66,7 +68,7 @@ def workers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(loaded_model):
     """The offline oracle, on one thread (the workers share the cores)."""
-    yield from oracle_llm(loaded_model, num_kv_blocks=128)
+    yield from oracle_llm(loaded_model, num_kv_blocks=NUM_BLOCKS)
 
 
 def alive(workers) -> list[WorkerProcess]:
@@ -263,7 +265,7 @@ def test_a_crashed_prefill_worker_loses_its_reservation_to_the_lease(workers):
     async def scenario():
         async with grpc.aio.insecure_channel(workers["prefill"].address) as channel:
             busy = await blocker(channel, workers, "blocker-crash")
-            call = prefill_call(channel, decode, "orphan", new_prompt(400))
+            call = prefill_call(channel, decode, "orphan", new_prompt(2 * PROMPT_LEN))
             reservation = (await read_until(call, "reservation")).reservation
             await asyncio.sleep(1.5 * LEASE_MS / 1000)
             held = decode.stats()
