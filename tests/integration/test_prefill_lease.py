@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 NUM_BLOCKS = 256
 LEASE_MS = 1500
 BUDGET = 8  # --max-num-batched-tokens of the prefill worker
-# a prompt's prefill at BUDGET tokens a step takes ~1 s on the 2-core Xeon with GGUF weights
-# (600 tokens; 200 took 1 s in fp32): the lease tests need it to outlast a renewal
+# the lease tests need a prompt's prefill, BUDGET tokens a step, to outlast a lease renewal: on
+# the 2-core Xeon with GGUF weights 600 tokens (three prompts of 200) took 1.0 s
 PROMPT_LEN = 600
 NIXL, GRPC = worker_pb2.KV_TRANSFER_METHOD_NIXL, worker_pb2.KV_TRANSFER_METHOD_GRPC
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

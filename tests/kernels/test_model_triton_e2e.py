@@ -23,8 +23,9 @@ def test_triton_backend_matches_torch_greedy(loaded_model, monkeypatch):
     # take each one's KV across one or two more block boundaries while decoding (reads span up
     # to four blocks), at about 3 s per interpreted step (16-token blocks needed 12 steps for one)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    # dense fp32 weights, the path the GPU serves (in bf16): GGUF blocks (the CPU default) would
-    # interpret the Triton quantized matmul too, minutes a step (tests/kernels/test_triton_quant_linear.py)
+    # dense fp32 weights, the path the GPU serves (in bf16): with GGUF blocks (the CPU default) the
+    # interpreter also ran the Triton quantized matmul, and this test had not finished after 7
+    # minutes (that kernel has its own tests: tests/kernels/test_triton_quant_linear.py)
     engine_args = {"max_model_len": 256, "num_kv_blocks": 64, "block_size": 4, "weight_format": "fp32"}
     monkeypatch.setenv(BACKEND_ENV, "torch")
     reference = LLM(loaded_model, **engine_args).generate(PROMPTS, params)

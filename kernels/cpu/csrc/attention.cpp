@@ -19,10 +19,10 @@
 //
 // Two inner steps compute the same thing, bit for bit (attention_tile.h says how). An item
 // with fewer than kMinMultiQueries queries (decode, short spec verification) takes the
-// per-query step below: kLanes dot products per
-// query folded by a shuffle tree. An item with more (a prompt chunk: 16 rows x the group) takes
-// the multi-query step of attention_tile.h: the K tile transposed once, then scores and P x V as
-// register-blocked GEMMs over all its queries.
+// per-query step below: kLanes dot products per query folded by a shuffle tree. An item with
+// more (a prompt chunk: 16 rows x the group) takes the multi-query step of attention_tile.h:
+// the K tile transposed once, then scores and P x V as register-blocked GEMMs over all its
+// queries.
 //
 // Items go to threads through one atomic counter, longest first, so a long prefill chunk in a
 // batch of decodes does not leave a thread idle behind a static split. An item whose keys pass
@@ -201,8 +201,27 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 
   TORCH_CHECK_VALUE(cu[0] == 0 && cu[num_seqs] == num_tokens, "cu_seqlens_q must start at 0 and end at "
                     "num_tokens (", num_tokens, "), got ", cu[0], " .. ", cu[num_seqs]);
-  std::vector<WorkItem> items;
-  int64_t total_cost = 0;
+  // Work items; one over more than one split-KV segment becomes one item per segment, each with
+  // its Partials slot, merged after (split_firsts: the first segment of each, for the merge).
+  const int64_t segment = round_up(kSegmentKeys, block_size);
+  std::vector<WorkItem> items, split_firsts;
+  std::vector<int64_t> split_counts;
+  int64_t total_cost = 0, num_partials = 0;
+  auto add_item = [&](const WorkItem& w) {
+    total_cost += w.cost();
+    if (w.key_end <= segment) return items.push_back(w);
+    const int64_t count = (w.key_end + segment - 1) / segment;
+    for (int64_t k = 0; k < count; ++k) {
+      WorkItem part = w;
+      part.key_begin = k * segment;
+      part.key_end = std::min(w.key_end, (k + 1) * segment);
+      part.partial = num_partials + k;
+      items.push_back(part);
+    }
+    split_firsts.push_back(items[items.size() - count]);
+    split_counts.push_back(count);
+    num_partials += count;
+  };
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t seq_len = lens[seq], q_len = cu[seq + 1] - cu[seq];
     TORCH_CHECK_VALUE(0 <= q_len && q_len <= seq_len && q_len <= max_seqlen_q, "sequence ", seq,
@@ -222,8 +241,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
       const int64_t num_rows = std::min<int64_t>(kRowsPerItem, q_len - row), first_pos = seq_len - q_len + row;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         // the last row sees keys 0 .. first_pos + num_rows - 1 (causal)
-        items.push_back({seq, h, cu[seq] + row, first_pos, num_rows, 0, first_pos + num_rows, -1});
-        total_cost += items.back().cost();
+        add_item({seq, h, cu[seq] + row, first_pos, num_rows, 0, first_pos + num_rows, -1});
       }
     }
   }
@@ -234,30 +252,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   for (const WorkItem& w : items) max_rows = std::max(max_rows, w.num_rows);
   const int64_t num_threads = at::get_num_threads(), max_queries = max_rows * L.group;
   const bool is_parallel = num_threads > 1 && total_cost * L.group >= kSerialCost;
-  // Items over more than one segment: one item per segment, merged after.
-  const int64_t segment = round_up(kSegmentKeys, block_size);
-  std::vector<WorkItem> split_firsts;  // first segment of each item that was split, for the merge
-  std::vector<int64_t> split_counts;
-  int64_t num_partials = 0;
-  std::vector<WorkItem> split_items;
-  for (const WorkItem& w : items) {
-    if (w.key_end <= segment) {
-      split_items.push_back(w);
-      continue;
-    }
-    int64_t count = 0;
-    for (int64_t begin = 0; begin < w.key_end; begin += segment, ++count) {
-      WorkItem part = w;
-      part.key_begin = begin;
-      part.key_end = std::min(w.key_end, begin + segment);
-      part.partial = num_partials + count;
-      split_items.push_back(part);
-    }
-    split_firsts.push_back(split_items[split_items.size() - count]);
-    split_counts.push_back(count);
-    num_partials += count;
-  }
-  items.swap(split_items);
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost() > b.cost(); });
   Partials partials(num_partials, max_queries, head_dim);

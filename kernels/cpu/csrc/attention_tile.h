@@ -110,7 +110,9 @@ inline void transpose_tile(const float* rows, int64_t stride, int64_t n, int64_t
 // kTreeRows queries, kLeaves lane classes at a time (kTreeRows x kLeaves independent FMA chains:
 // 8 keep two FMA ports busy), so at most log2(kLanes) partial sums per query wait in registers.
 constexpr int kTreeRows = kLanes == 16 ? 4 : 2;
-constexpr int kLeaves = kLanes == 16 ? 2 : kLanes / 2;  // 26 of 32 zmm, or 14 of 16 ymm, in use
+// Registers: kTreeRows x kLeaves accumulators, kTreeRows per tree level above the leaves waiting
+// for their right half, one K vector: 8 + 12 + 1 of 32 zmm (AVX-512), 8 + 2 + 1 of 16 ymm (AVX2).
+constexpr int kLeaves = kLanes == 16 ? 2 : kLanes / 2;
 static_assert(kScoreRows % kTreeRows == 0, "score_rows takes kTreeRows queries at a time");
 
 // Leaves L0, L0 + kLanes / kLeaves, ... (each its own sum over c), folded into one node.
