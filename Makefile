@@ -48,11 +48,16 @@ lint: $(STAMP)
 	$(PY) -m services.common.protogen
 	$(PY) -m mypy
 
+# pytest-xdist workers: one per core, 2 to 4 (tests/conftest.py: a module runs on one worker; while
+# one waits on the processes a cluster test started, another computes)
+PYTEST_WORKERS ?= $(shell n=$$(nproc); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := -n $(PYTEST_WORKERS)
+
 test: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) --durations=20 $(PYTEST_ARGS)
 
 test-fast: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m loadtests.bench_engine

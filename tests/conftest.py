@@ -8,6 +8,15 @@ markers every test gets from where it lives and what it starts:
 - ``gpu``: needs CUDA; every test under ``tests/gpu/`` or using the ``cuda_device`` fixture.
   Without CUDA they are skipped, with the reason.
 - ``slow`` stays as the modules set it (end-to-end tests, the oracle model).
+
+``make test`` runs the tests on pytest-xdist workers (``-n``): while one waits on the processes a
+cluster test starts, another computes. ``ModuleScheduling`` (below) hands out whole modules, so a
+module's fixtures (its cluster) exist once and its tests run in order on one worker; the modules
+that use the HF oracle (``HF_ORACLE_MODULES``) go together, so it is loaded and run once; slow
+modules first, so no long one is left for the end. Each worker's torch keeps every core (a worker
+computing alone gets them all) and OpenMP spins briefly (``GOMP_SPINCOUNT``, as ``pdserve up`` sets
+it for workers sharing cores): with the default spin, two workers' thread pools spinning for cores
+the other held slowed the HF oracle to a crawl; with one thread each it ran 3x slower than alone.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import functools
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +43,17 @@ CLUSTER_SOURCE = re.compile(
     r"|\"-c\", SERVER\b"
     r"|get_context\(\"spawn\"\)"
     r"|\bray\.init\(", re.DOTALL)
+REPO = Path(__file__).resolve().parents[1]
 GPU_DIR = Path(__file__).parent / "gpu"
+HF_ORACLE_FIXTURES = {"hf_model", "hf_greedy"}
+# the modules that use them (checked at collection): one xdist work unit
+HF_ORACLE_MODULES = frozenset({"tests/integration/test_parity_hf.py", "tests/integration/test_quant_parity_hf.py",
+                               "tests/unit/test_loader.py"})
+SLOW_SOURCE = re.compile(r"pytest\.mark\.slow\b")
+# pytest-xdist's worker count in a worker process (unset in a plain run)
+NUM_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if NUM_XDIST_WORKERS > 1:  # before torch is imported: libgomp reads it once
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 
 @functools.cache
@@ -41,7 +61,42 @@ def _starts_services(path: Path) -> bool:
     return CLUSTER_SOURCE.search(path.read_text()) is not None
 
 
+def _work_unit(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return "hf_oracle" if module in HF_ORACLE_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The xdist controller's scheduler: whole modules (module docstring)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+        def schedule(self) -> None:
+            first = self.collection is None
+            super().schedule()  # fills the queue and sends each worker its first units
+            if first and self.workqueue:
+                units = sorted(self.workqueue.items(), key=lambda unit: not _is_slow(unit[0]))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+
+    config.option.loadscopereorder = False  # collection order, then slow modules first (above)
+    return ModuleScheduling(config, log)
+
+
+def _is_slow(unit: str) -> bool:
+    paths = HF_ORACLE_MODULES if unit == "hf_oracle" else [unit]
+    return any(SLOW_SOURCE.search((REPO / path).read_text()) for path in paths)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    oracle_users = {item.nodeid.split("::")[0] for item in items
+                    if HF_ORACLE_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    if not oracle_users <= HF_ORACLE_MODULES:
+        raise pytest.UsageError(f"add {sorted(oracle_users - HF_ORACLE_MODULES)} to tests/conftest.py's "
+                                "HF_ORACLE_MODULES (the HF oracle's modules run on one xdist worker)")
     for item in items:
         path = Path(str(item.fspath))
         if path.suffix == ".py" and _starts_services(path):
