@@ -138,6 +138,28 @@ async def load(base_url: str, model: str, concurrency: int, num_requests: int, t
             "ttft": [r.ttft for r in ok], "itl": [g for r in ok for g in r.gaps]}
 
 
+def router_summary(base_url: str) -> tuple[dict[str, int], dict[str, float]]:
+    """({path/reason: requests}, {TTFT stage: mean seconds}) from the router's ``/metrics``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    decisions: Counter[str] = Counter()
+    sums: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdserve_route_decisions_total":
+                decisions[f"{sample.labels['path']}/{sample.labels['reason']}"] += int(sample.value)
+            elif sample.name == "pdserve_ttft_stage_seconds_sum":
+                sums[sample.labels["stage"]] += sample.value
+            elif sample.name == "pdserve_ttft_stage_seconds_count":
+                counts[sample.labels["stage"]] += int(sample.value)
+    return dict(decisions), {stage: sums[stage] / n for stage, n in counts.items() if n}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default="colocated,nixl,grpc,nixl-pinned,grpc-pinned")
@@ -177,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                 for c in concurrencies:
                     n = args.load_requests_c1 if c == 1 else args.load_requests
                     row[f"load {c}"] = asyncio.run(load(cluster.http_url, cluster.model, c, n, loaded.tokenizer, args))
+            row["router"] = router_summary(cluster.http_url)
             served[mode] = row
 
     print(f"{len(os.sched_getaffinity(0))} CPUs: {cpu_identity()}; engines on {args.device}")
@@ -214,6 +237,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{percentile(r['itl'], .5) * 1e3:11.1f}{ratio}")
             for error in r["errors"]:
                 print(f"    failure: {error}")
+    print("\nthe router's /metrics after each mode's runs: route decisions; mean seconds per TTFT stage")
+    for mode in modes:
+        decisions, stages = served[mode]["router"]
+        print(f"{mode:10s} {dict(sorted(decisions.items()))}")
+        print(f"{'':10s} " + " ".join(f"{stage}={mean:.3f}" for stage, mean in stages.items()))
 
 
 if __name__ == "__main__":
