@@ -10,8 +10,11 @@ streams the rest::
 * The first token ends the sample (EOS, stop token, max_tokens=1): no Decode call; the
   prefill worker gives the reservation back itself.
 * Closing the iterator (stop string, client gone) cancels both calls: each worker frees what
-  it holds. If the prefill call had already finished (all KV pushed) the router also sends
-  ReleaseBlocks, for a Decode call that may never have reached the decode worker.
+  it holds. If the prefill call had already finished (all KV pushed: its ``done`` progress
+  event read, or its status OK) the router also sends ReleaseBlocks, for a Decode call that may
+  never have reached the decode worker. (The status alone is not enough: a call the router
+  cancels ends CANCELLED on its side even when the prefill worker had finished and handed the
+  reservation over, and then nobody released it until its lease ran out.)
 * A failure of the prefill call while the decode stream runs ends the decode stream with it.
   Every call carries a deadline: the request's time left (services/router/deadline.py) when
   it has one, else the call's default.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -73,6 +77,7 @@ class RemotePath:
         on_prefill = prefill.begin(prefill_tokens=len(prompt), blocks=cdiv(len(prompt), prefill.block_size))
         on_decode = decode.begin(blocks=cdiv(len(prompt), decode.block_size))
         reservation_id: str | None = None
+        transfer = TransferSeen()
         prefill_rest: asyncio.Future[None] | None = None
         stream: DecodeStream | None = None
         finished = False
@@ -93,7 +98,7 @@ class RemotePath:
             if reservation_id is None:
                 raise BackendError(f"prefill worker {prefill.address} sent no reservation for "
                                    f"{sample.request_id!r}")
-            prefill_rest = asyncio.ensure_future(_drain(call, prefill))
+            prefill_rest = asyncio.ensure_future(_drain(call, prefill, transfer))
             stream = DecodeStream(decode.decode.Decode(worker_pb2.DecodeRequest(
                 request_id=sample.request_id, reservation_id=reservation_id,
                 first_token_id=first.token_id), timeout=remaining_s(self.decode_timeout_s)),
@@ -103,12 +108,12 @@ class RemotePath:
         finally:
             finished = finished or (stream is not None and stream.is_finished)
             await self._settle(call, prefill, decode, (on_prefill, on_decode), stream,
-                               prefill_rest, reservation_id, finished)
+                               prefill_rest, reservation_id, finished, transfer)
 
     async def _settle(self, call: grpc.aio.UnaryStreamCall, prefill: Worker,
                       decode: Worker, in_flight: tuple[InFlight, ...], stream: DecodeStream | None,
                       prefill_rest: asyncio.Future[None] | None, reservation_id: str | None,
-                      finished: bool) -> None:
+                      finished: bool, transfer: TransferSeen) -> None:
         """After the sample ended (any way): free what it holds on both workers."""
         for share in in_flight:
             share.end()
@@ -123,7 +128,7 @@ class RemotePath:
             if not call.done():
                 call.cancel()
             if reservation_id is not None:
-                self._spawn(_release_after(call, decode, reservation_id))
+                self._spawn(_release_after(call, decode, reservation_id, transfer))
 
     def _count_kv_wait(self) -> None:
         self.num_kv_full_waits += 1
@@ -165,18 +170,28 @@ async def _read(call: grpc.aio.UnaryStreamCall, worker: Worker) -> Any:
         raise worker_error(worker, exc, is_started=True) from exc
 
 
-async def _drain(call: grpc.aio.UnaryStreamCall, worker: Worker) -> None:
+@dataclass
+class TransferSeen:
+    """Whether the router read the prefill worker's ``done`` progress event: every push landed."""
+
+    done: bool = False
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall, worker: Worker, transfer: TransferSeen | None = None) -> None:
     """Read the rest of a Prefill stream (transfer progress) until it ends OK."""
-    while await _read(call, worker) is not grpc.aio.EOF:
-        pass
+    while (response := await _read(call, worker)) is not grpc.aio.EOF:
+        if transfer is not None and response.WhichOneof("event") == "transfer" and response.transfer.done:
+            transfer.done = True
 
 
-async def _release_after(call: grpc.aio.UnaryStreamCall, decode: Worker, reservation_id: str) -> None:
-    """After an early exit: if the Prefill call had finished OK, the prefill worker handed the
-    reservation over, and only a Decode call would free it: release it here. (Had it not
-    finished, the prefill worker releases it once its pushes have settled.)"""
+async def _release_after(call: grpc.aio.UnaryStreamCall, decode: Worker, reservation_id: str,
+                         transfer: TransferSeen) -> None:
+    """After an early exit: if the Prefill call had finished (its ``done`` event read, or its
+    status OK), the prefill worker handed the reservation over, and only a Decode call would free
+    it: release it here (a claimed one the decode worker leaves to its Decode call). Had it not
+    finished, the prefill worker releases it once its pushes have settled."""
     try:
-        code = await asyncio.wait_for(call.code(), RELEASE_TIMEOUT_S)
+        code = grpc.StatusCode.OK if transfer.done else await asyncio.wait_for(call.code(), RELEASE_TIMEOUT_S)
         if code is grpc.StatusCode.OK:
             await decode.decode.ReleaseBlocks(
                 worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
