@@ -5,6 +5,12 @@ STAMP   := .venv/.pdserve-installed
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
+# pip installs with --no-compile (below): each module is byte-compiled on its first import and the
+# .pyc cached beside it, which an environment with PYTHONDONTWRITEBYTECODE=1 (this CI's) forbids, so
+# every process (each test's workers and routers) compiled torch & co. again: `import torch` 4.8 s
+# instead of 2.0. Not passed to the commands here.
+unexport PYTHONDONTWRITEBYTECODE
+
 DEPLOY_TOOLS := .venv/deploy-tools
 # llama.cpp, for side-by-side benchmarks only (never a dependency): vendored in this sdist.
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
