@@ -9,8 +9,9 @@ markers every test gets from where it lives and what it starts:
   Without CUDA they are skipped, with the reason.
 - ``slow`` stays as the modules set it (end-to-end tests, the oracle model).
 
-``make test`` runs the tests on pytest-xdist workers (``-n``): while one waits on the processes a
-cluster test starts, another computes. ``ModuleScheduling`` (below) hands out whole modules, so a
+``PYTEST_WORKERS=2 make test`` runs the tests on pytest-xdist workers (``-n``; the Makefile says why
+one process is still the default): while one waits on the processes a cluster test starts, another
+computes. ``ModuleScheduling`` (below) hands out whole modules, so a
 module's fixtures (its cluster) exist once and its tests run in order on one worker; the modules
 that use the HF oracle (``HF_ORACLE_MODULES``) go together, so it is loaded and run once; slow
 modules first, so no long one is left for the end. Each worker's torch keeps every core (a worker
@@ -52,7 +53,9 @@ HF_ORACLE_MODULES = frozenset({"tests/integration/test_parity_hf.py", "tests/int
 SLOW_SOURCE = re.compile(r"pytest\.mark\.slow\b")
 # pytest-xdist's worker count in a worker process (unset in a plain run)
 NUM_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if NUM_XDIST_WORKERS > 1:  # before torch is imported: libgomp reads it once
+# services.launcher.plan.SHARED_CORES_SPIN_COUNT's value; not imported from there, since that module
+# imports torch, and libgomp reads the variable once, as torch loads it
+if NUM_XDIST_WORKERS > 1:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 
