@@ -29,7 +29,9 @@ Life of a reservation (its id is the engine request id)::
   end before the blocks go back to the pool.
 
 This table is plain data, used from the event loop only; freeing the engine's blocks is the
-caller's job (services/decode/handler.py).
+caller's job (services/decode/handler.py), and so is the polling: ``poll_delay`` says how long
+the caller's housekeeping may sleep (a short poll while KV is expected; else until the next lease
+can run out, at most ``max_idle_s``), and ``added`` wakes it when a reservation is made.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class ReservationTable:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self._reservations: dict[str, Reservation] = {}
+        self.added = asyncio.Event()  # set by add(); the housekeeper clears it when it wakes
 
     def __len__(self) -> int:
         return len(self._reservations)
@@ -89,6 +92,7 @@ class ReservationTable:
         reservation = Reservation(reservation_id, list(prompt_token_ids), params, list(block_ids),
                                   time.monotonic() + self.lease_s, num_cached_blocks=num_cached_blocks)
         self._reservations[reservation_id] = reservation
+        self.added.set()
         return reservation
 
     def get(self, reservation_id: str) -> Reservation | None:
@@ -158,6 +162,18 @@ class ReservationTable:
     def has_pending_kv(self) -> bool:
         return any(r.state is not LeaseState.RELEASED and not r.is_landed
                    for r in self._reservations.values())
+
+    def poll_delay(self, busy_s: float, max_idle_s: float, now: float | None = None) -> float:
+        """How long housekeeping may sleep: ``busy_s`` while KV is expected (notifications to
+        count); else until the first LEASED or ABANDONED reservation's lease runs out, at most
+        ``max_idle_s``. At rest (nothing reserved) that is ``max_idle_s``: nothing can land or
+        expire before ``add`` sets ``added``."""
+        if self.has_pending_kv():
+            return busy_s
+        now = time.monotonic() if now is None else now
+        deadlines = [r.expires_at for r in self._reservations.values()
+                     if r.state in (LeaseState.LEASED, LeaseState.ABANDONED)]
+        return max(0.0, min([max_idle_s, *(d - now for d in deadlines)]))
 
     def mark_released(self, reservation_id: str) -> Reservation | None:
         """Stop accepting writes and wake its waiter; the caller frees the blocks, then ``pop``s."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.kv_transfer.base import KVNotification
 from engine.sampling_params import SamplingParams
 from services.decode.reservations import LeaseState, ReservationTable
 
@@ -65,4 +66,25 @@ def test_claim_refreshes_the_lease_and_renewal_extends_a_claimed_or_abandoned_on
         table.abandon("r")  # its Decode call ended while KV was arriving
         assert table.renew("r", now=t0 + 9.0).expires_at == t0 + 13.0
         assert table.expired(t0 + 12.9) == [] and table.expired(t0 + 13.0) == [reservation]
+    _run(scenario)
+
+
+def test_housekeeping_sleeps_at_rest_polls_while_kv_is_expected_and_wakes_for_expiry():
+    def scenario():
+        table = ReservationTable(lease_s=6.0)
+        assert table.poll_delay(0.002, 1.0) == 1.0  # nothing reserved: the longest sleep
+        assert not table.added.is_set()
+        pending = table.add("pending", [1, 2], SamplingParams(), [3, 4])
+        assert table.added.is_set()  # wakes a sleeping housekeeper
+        assert table.poll_delay(0.002, 1.0) == 0.002  # its KV is expected: poll notifications
+        table.on_landed(KVNotification("pending", (3, 4)))
+        # landed and not claimed: nothing to poll, but its lease runs out at expires_at
+        now = pending.expires_at - 0.25
+        assert table.poll_delay(0.002, 1.0, now=now) == 0.25
+        assert table.poll_delay(0.002, 1.0, now=pending.expires_at + 1.0) == 0.0
+        table.claim("pending", now=now)  # decoding: the lease no longer releases it
+        assert table.poll_delay(0.002, 1.0, now=now) == 1.0
+        # a reservation whose blocks were all cached (none to write) is landed when made
+        cached = table.add("cached", [1], SamplingParams(), [])
+        assert table.poll_delay(0.002, 1.0, now=cached.expires_at - 0.5) == 0.5
     _run(scenario)
