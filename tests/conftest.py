@@ -9,11 +9,11 @@ markers every test gets from where it lives and what it starts:
   Without CUDA they are skipped, with the reason.
 - ``slow`` stays as the modules set it (end-to-end tests, the oracle model).
 
-``PYTEST_WORKERS=2 make test`` runs the tests on pytest-xdist workers (``-n``; the Makefile says why
-one process is still the default): while one waits on the processes a cluster test starts, another
-computes. ``ModuleScheduling`` (below) hands out whole modules, so a
-module's fixtures (its cluster) exist once and its tests run in order on one worker; the modules
-that use the HF oracle (``HF_ORACLE_MODULES``) go together, so it is loaded and run once; slow
+``make test`` runs the tests on two pytest-xdist workers (``-n``; ``PYTEST_WORKERS=0`` for one
+process): while one waits on the processes a cluster test starts, another computes.
+``ModuleScheduling`` (below) hands out whole modules, so a module's fixtures (its cluster) exist
+once and its tests run in order on one worker; the modules that use the HF oracle
+(``HF_ORACLE_MODULES``) go together, so it is loaded and run once; slow
 modules first, so no long one is left for the end. Each worker's torch keeps every core (a worker
 computing alone gets them all) and OpenMP spins briefly (``GOMP_SPINCOUNT``, as ``pdserve up`` sets
 it for workers sharing cores): with the default spin, two workers' thread pools spinning for cores
