@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from services.common.pb import worker_pb2
-from services.router.backends.remote_path import TransferSeen, _drain, _release_after
+from services.router.backends.remote_path import TransferSeen, _drain, _drain_then_release, _release_after
 
 
 class FakeCall:
@@ -55,3 +55,32 @@ def test_a_reservation_is_released_once_the_pushes_are_known_done(events, code, 
         return decode.released
 
     assert asyncio.run(scenario()) == (["r1"] if released else [])
+
+
+class SlowCall(FakeCall):
+    """A prefill stream whose events arrive ``delay_s`` apart; cancel() ends it CANCELLED."""
+
+    def __init__(self, responses, delay_s: float) -> None:
+        super().__init__(responses, grpc.StatusCode.OK)
+        self.delay_s, self.cancelled = delay_s, False
+
+    async def read(self):
+        await asyncio.sleep(self.delay_s)
+        return await super().read()
+
+    def cancel(self) -> None:
+        self.cancelled, self._code = True, grpc.StatusCode.CANCELLED
+
+
+@pytest.mark.parametrize("delay_s, released", [
+    (0.01, True),  # the pushes end: done read, released (cancelling it could miss done)
+    (1.0, False),  # still pushing at the timeout: cancelled, left to the prefill worker
+])
+def test_an_abandoned_sample_reads_the_prefill_stream_to_its_end_before_releasing(delay_s, released):
+    async def scenario() -> tuple[list[str], bool]:
+        call, decode, transfer = SlowCall([progress(False), progress(True)], delay_s), FakeDecode(), TransferSeen()
+        rest = asyncio.ensure_future(_drain(call, SimpleNamespace(address="127.0.0.1:2"), transfer))
+        await _drain_then_release(call, rest, decode, "r1", transfer, timeout_s=0.5)
+        return decode.released, call.cancelled
+
+    assert asyncio.run(scenario()) == ((["r1"], False) if released else ([], True))

@@ -9,12 +9,15 @@ streams the rest::
 
 * The first token ends the sample (EOS, stop token, max_tokens=1): no Decode call; the
   prefill worker gives the reservation back itself.
-* Closing the iterator (stop string, client gone) cancels both calls: each worker frees what
-  it holds. If the prefill call had already finished (all KV pushed: its ``done`` progress
-  event read, or its status OK) the router also sends ReleaseBlocks, for a Decode call that may
-  never have reached the decode worker. (The status alone is not enough: a call the router
-  cancels ends CANCELLED on its side even when the prefill worker had finished and handed the
-  reservation over, and then nobody released it until its lease ran out.)
+* Closing the iterator (stop string, client gone) cancels the Decode call. The prefill call is
+  cancelled too while it computes; after the first token only pushes are left, so the router
+  reads it to its end (for at most PUSHES_DRAIN_TIMEOUT_S, then cancels). Each worker frees what
+  it holds. If the prefill call had finished (all KV pushed: its ``done`` progress event read,
+  or its status OK) the prefill worker handed the reservation over, so the router sends
+  ReleaseBlocks, for a Decode call that may never have reached the decode worker. (Cancelling
+  it at that point left a window: the prefill worker had written ``done`` and handed over, the
+  router had not read it and saw only its own CANCELLED, and nobody released the blocks until
+  the lease ran out.)
 * A failure of the prefill call while the decode stream runs ends the decode stream with it.
   Every call carries a deadline: the request's time left (services/router/deadline.py) when
   it has one, else the call's default.
@@ -54,6 +57,7 @@ if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 2.0
+PUSHES_DRAIN_TIMEOUT_S = 10.0  # an abandoned sample's prefill call: its last pushes, then cancelled
 
 
 class RemotePath:
@@ -119,12 +123,14 @@ class RemotePath:
             share.end()
         if stream is not None:
             await stream.close()
-        if finished and not call.done():
-            # let the prefill worker finish its stream (dropping the call would cancel it)
-            self._spawn(prefill_rest if prefill_rest is not None else _drain(call, prefill))
-        elif prefill_rest is not None:
-            prefill_rest.cancel()
-        if not finished:
+        if finished:
+            if not call.done():
+                # let the prefill worker finish its stream (dropping the call would cancel it)
+                self._spawn(prefill_rest if prefill_rest is not None else _drain(call, prefill))
+        elif prefill_rest is not None:  # computed: let its pushes end (module docstring)
+            assert reservation_id is not None  # prefill_rest starts once a reservation was read
+            self._spawn(_drain_then_release(call, prefill_rest, decode, reservation_id, transfer))
+        else:
             if not call.done():
                 call.cancel()
             if reservation_id is not None:
@@ -197,3 +203,18 @@ async def _release_after(call: grpc.aio.UnaryStreamCall, decode: Worker, reserva
                 worker_pb2.ReleaseBlocksRequest(reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
     except (TimeoutError, grpc.aio.AioRpcError) as exc:
         log.info("releasing reservation %s on %s: %r", reservation_id, decode.address, exc)
+
+
+async def _drain_then_release(call: grpc.aio.UnaryStreamCall, rest: asyncio.Future[None], decode: Worker,
+                              reservation_id: str, transfer: TransferSeen,
+                              timeout_s: float = PUSHES_DRAIN_TIMEOUT_S) -> None:
+    """An abandoned sample whose prompt was computed: read the prefill stream (``rest``) to its
+    end, cancelling it after ``timeout_s``; then release the reservation as ``_release_after``
+    says (the stream's failure is the prefill worker's to clean up, not this task's)."""
+    await asyncio.wait({rest}, timeout=timeout_s)
+    if not rest.done():
+        rest.cancel()
+        call.cancel()
+    elif not rest.cancelled():
+        rest.exception()  # retrieved: the prefill worker reports and cleans up its own failure
+    await _release_after(call, decode, reservation_id, transfer)
