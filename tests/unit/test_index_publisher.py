@@ -123,23 +123,43 @@ def test_queue_overflow_becomes_a_snapshot(redis_server, index):
 
 @pytest.mark.parametrize("outage", ["flush", "restart"])
 def test_index_rebuilt_within_two_heartbeats(redis_server, index, outage):
+    """Counted in the publisher's own heartbeats, not in wall time: on a loaded machine (another
+    xdist worker computing) its thread runs late, and 0.54 s was once measured against 0.5."""
     worker = Worker(redis_server.url)
-    worker.publisher.start()
+    publisher = worker.publisher
+    beats: list[float] = []  # the publisher thread's heartbeats that reached Redis
+    snapshots_at: list[int] = []  # how many there had been at each snapshot
+    heartbeat, snapshot = publisher._heartbeat, publisher._snapshot
+
+    def counted_heartbeat() -> None:
+        heartbeat()
+        beats.append(time.monotonic())
+
+    def counted_snapshot() -> None:
+        snapshot()
+        snapshots_at.append(len(beats))
+
+    publisher._heartbeat, publisher._snapshot = counted_heartbeat, counted_snapshot
+    publisher.start()
     try:
         worker.store(H[:3])
         wait_for(lambda: held(index) == worker.truth)
-        if outage == "flush":
-            index.client.flushall()
-        else:
+        if outage == "restart":
             redis_server.kill()
             worker.store(H[3:4])  # published while Redis is down: never raises
             time.sleep(0.3)
+        beats_before, snapshots_before = len(beats), len(snapshots_at)  # none reach Redis until it is back
+        if outage == "flush":
+            index.client.flushall()
+        else:
             redis_server.restart()
-        took = wait_for(lambda: bool(held(index)) and held(index) == worker.truth)
-        assert took <= 2 * FAST.heartbeat_s + 0.1
+        wait_for(lambda: bool(held(index)) and held(index) == worker.truth)
+        # the snapshot that rebuilt it came within two heartbeats of Redis being back
+        assert len(snapshots_at) > snapshots_before
+        assert snapshots_at[snapshots_before] - beats_before <= 2, (beats_before, snapshots_at)
         assert index.match([H[0].hex()])["p0"].num_device_blocks == 1
     finally:
-        worker.publisher.close()
+        publisher.close()
 
 
 def test_redis_down_at_start_does_not_raise_and_recovers(redis_server, index):
