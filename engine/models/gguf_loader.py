@@ -2,11 +2,15 @@
 
 Weights come out exactly as HF transformers' own GGUF loader produces them: HF names, HF layout
 (``[out_features, in_features]``), and Q/K rows in HF's rotate-half order (see
-``unpermute_rope_rows``).
+``unpermute_rope_rows``). Each is dequantized when first read (``LazyWeights``): a worker serving
+the file's own blocks (the quantized kernels) never reads its matrices in fp32, and dequantizing
+all of them was ~1 s of CPU per process start (SmolLM2-135M Q4_1, this 2-core VM).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,7 +20,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
-from engine.models.gguf_file import GGUFFile, read_gguf
+from engine.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from engine.models.tokenizer import Tokenizer
 from kernels.quant import QuantRows
 
@@ -30,6 +34,7 @@ _BLOCK_FORMATS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: 
                   GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
                   GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
                   GGMLQuantizationType.Q6_K: "q6_k"}
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -44,13 +49,46 @@ _LAYER_NAMES = {
 }
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """name -> tensor, each made by its function when first read, then kept; ``shape`` without
+    making it. Iterating ``items()`` or ``values()`` makes them all."""
+
+    def __init__(self, makers: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]) -> None:
+        self._makers = makers
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._made.get(name)
+        if tensor is None:
+            shape, make = self._makers[name]
+            tensor = self._made[name] = make()
+            assert tuple(tensor.shape) == shape, (name, tuple(tensor.shape), shape)
+        return tensor
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would make the tensor
+        return name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._makers[name][0]
+
+    def made(self) -> set[str]:
+        """The names read so far (dequantized and kept)."""
+        return set(self._made)
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, Mapping[str, torch.Tensor], Tokenizer]:
     """Read ``path`` once and return its config, fp32 weights in HF naming, and tokenizer."""
     config, weights, tokenizer, _ = load_gguf_with_blocks(path)
     return config, weights, tokenizer
 
 
-def load_gguf_with_blocks(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer,
+def load_gguf_with_blocks(path: str | Path) -> tuple[ModelConfig, LazyWeights, Tokenizer,
                                                         dict[str, QuantRows]]:
     """``load_gguf`` plus the file's own blocks of its matrices (``gguf_blocks``)."""
     gguf_file = read_gguf(path)
@@ -119,26 +157,34 @@ def gguf_model_config(metadata: dict[str, Any], tensor_names: list[str], tokeniz
     )
 
 
-def gguf_weights(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor of ``gguf_file`` dequantized to fp32, renamed and laid out as HF's state_dict."""
+def gguf_weights(gguf_file: GGUFFile, config: ModelConfig) -> LazyWeights:
+    """Every tensor of ``gguf_file`` as fp32, renamed and laid out as HF's state_dict, each
+    dequantized when first read."""
     arch = gguf_file.metadata["general.architecture"]
-    weights: dict[str, torch.Tensor] = {}
+    makers: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]] = {}
     for tensor in gguf_file.tensors:
+        if tensor.ggml_type not in _FLOAT_TYPES:
+            try:  # one row now: an unsupported type fails the load, not the tensor's first use
+                dequantize(tensor.data[:1], tensor.ggml_type)
+            except NotImplementedError as error:
+                raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}, which "
+                                 f"cannot be dequantized: {error}") from error
         name = hf_weight_name(tensor.name)
-        try:
-            values = dequantize(tensor.data, tensor.ggml_type)
-        except NotImplementedError as error:
-            raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.ggml_type.name}, which cannot be "
-                             f"dequantized: {error}") from error
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
-        if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
-            values = unpermute_rope_rows(values, config.num_heads)
-        elif arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
-            values = unpermute_rope_rows(values, config.num_kv_heads)
-        if not values.flags.writeable:  # F32 tensors are views of the read-only file map: own the memory
-            values = values.copy()
-        weights[name] = torch.from_numpy(values)
-    return weights
+        num_heads = (config.num_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
+                     config.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
+        unpermute_heads = num_heads if arch in _PERMUTED_QK else None
+        makers[name] = (tuple(int(d) for d in tensor.shape),
+                        functools.partial(_dequantized, tensor, unpermute_heads))
+    return LazyWeights(makers)
+
+
+def _dequantized(tensor: GGUFTensor, unpermute_heads: int | None) -> torch.Tensor:
+    values = np.ascontiguousarray(dequantize(tensor.data, tensor.ggml_type), dtype=np.float32).reshape(tensor.shape)
+    if unpermute_heads is not None:
+        values = unpermute_rope_rows(values, unpermute_heads)
+    if not values.flags.writeable:  # F32 tensors are views of the read-only file map: own the memory
+        values = values.copy()
+    return torch.from_numpy(values)
 
 
 def hf_weight_name(gguf_name: str) -> str:

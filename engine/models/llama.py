@@ -48,7 +48,7 @@ class DecoderLayer:
     __slots__ = ("qkv_weight", "qkv_bias", "o_weight", "gate_up_weight", "down_weight",
                  "input_norm", "post_attention_norm")
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, ops: Ops,
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, ops: Ops,
                  plan: Mapping[str, QuantRows] | None = None) -> None:
         def w(name: str) -> torch.Tensor:
             return weights[f"{prefix}.{name}"]
@@ -82,7 +82,7 @@ def _rotary_then_store(ops: Ops) -> Any:
     return rotary_store_kv
 
 
-def _step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+def _step_weight_bytes(weights: Mapping[str, torch.Tensor]) -> int:
     """Bytes of weights one forward step reads: all but the embedding (one row per token),
     plus the LM head once (the tied embedding's transposed copy when there is no lm_head)."""
     total = sum(t.numel() * t.element_size() for name, t in weights.items()
@@ -97,7 +97,7 @@ class LlamaForCausalLM:
     """The model. ``forward`` returns final hidden states; ``compute_logits`` maps the rows
     that need a next-token distribution to fp32 logits."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops,
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], ops: Ops,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  quant_plan: Mapping[str, QuantRows] | None = None) -> None:
         """``quant_plan``: name -> GGUF blocks of every layer matmul weight and of
@@ -110,11 +110,14 @@ class LlamaForCausalLM:
         if quant_plan is not None and dtype != torch.float32:
             raise ValueError(f"quantized weights need float32 activations, got dtype {dtype}")
         self.quantized = quant_plan is not None
-        weights = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
-        self.weight_bytes = _step_weight_bytes(weights)
+        # the fp32 weights this model reads: with a plan, not the matmul weights it replaces (a
+        # LazyWeights never dequantizes those)
+        weights = {name: weights[name].to(device=self.device, dtype=dtype) for name in weights
+                   if quant_plan is None or name not in quant_plan}
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.norm_linear: Any = None  # fused rms_norm + matmul (Ops.norm_quant_linear) or None
         if quant_plan is None:
+            self.weight_bytes = _step_weight_bytes(weights)
             # Tied embeddings: the LM head is a second, transposed copy (read once per step).
             self.lm_head = ops.pack_linear(weights.get("lm_head.weight", self.embed_tokens).t())
             self.linear = ops.linear
@@ -125,7 +128,7 @@ class LlamaForCausalLM:
             self.linear = ops.quant_linear
             self.norm_linear = ops.norm_quant_linear
             fp32_bytes = sum(t.numel() * t.element_size() for name, t in weights.items()
-                             if name not in quant_plan and name != "model.embed_tokens.weight")
+                             if name != "model.embed_tokens.weight")
             self.weight_bytes = plan_bytes(quant_plan) + fp32_bytes
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(weights, f"model.layers.{i}", ops, quant_plan)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LoadedModel:
     """A model ready for the runner. ``weights`` are fp32, in HF naming and layout
-    (see ``expected_weight_shapes``); ``blocks`` the same matrices as a GGUF file stores them,
+    (see ``expected_weight_shapes``; from a GGUF file each is dequantized when first read:
+    gguf_loader.LazyWeights); ``blocks`` the same matrices as a GGUF file stores them,
     for those it stores in a format the quantized kernels read (empty for an HF directory)."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     blocks: dict[str, QuantRows] = field(default_factory=dict)
 
@@ -42,6 +43,7 @@ def load_model(path: str | None = None) -> LoadedModel:
     """
     resolved = _resolve(path)
     blocks: dict[str, QuantRows] = {}
+    weights: Mapping[str, torch.Tensor]
     with _naming(resolved):
         if resolved.is_dir():
             from engine.models.hf_loader import load_hf
@@ -92,13 +94,15 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path | str) -> None:
-    """ValueError naming the missing, unexpected and mis-shaped weights, if there are any."""
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path | str) -> None:
+    """ValueError naming the missing, unexpected and mis-shaped weights, if there are any
+    (shapes read without dequantizing a ``LazyWeights``)."""
     expected = expected_weight_shapes(config)
+    shape_of = getattr(weights, "shape", None) or (lambda name: tuple(weights[name].shape))
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
-    misshaped = [f"{name}: {tuple(weights[name].shape)} != {shape}"
-                 for name, shape in expected.items() if name in weights and tuple(weights[name].shape) != shape]
+    misshaped = [f"{name}: {shape_of(name)} != {shape}"
+                 for name, shape in expected.items() if name in weights and tuple(shape_of(name)) != shape]
     if missing or unexpected or misshaped:
         raise ValueError(f"{path}: weights do not match the config: missing {missing[:5]} "
                          f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)}), "

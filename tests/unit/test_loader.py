@@ -11,9 +11,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
 from engine.models import default_model
+from engine.models.gguf_file import read_gguf
 from engine.models.gguf_loader import hf_weight_name, unpermute_rope_rows
 from engine.models.loader import LoadedModel, expected_weight_shapes, load_model
 from tests.unit._hf import llama_cpp_permute, save_tiny_hf_model, tiny_vocab, write_tiny_gguf
@@ -57,6 +59,25 @@ def test_default_model_weights_are_owned_fp32(timed_default_model):
     for name, weight in loaded.weights.items():
         assert weight.dtype == torch.float32 and weight.is_contiguous(), name
     loaded.weights["model.norm.weight"].add_(0)  # writable: not a view of the read-only file map
+
+
+def test_a_model_on_the_files_blocks_never_dequantizes_its_matrices():
+    from engine import LLM
+    from engine.models.gguf_loader import LazyWeights
+    from engine.models.quant_weights import linear_weight_names
+
+    loaded = load_model(None)
+    assert isinstance(loaded.weights, LazyWeights) and loaded.weights.made() == set()  # shapes checked, none made
+    LLM(loaded, num_kv_blocks=8)  # the default weight format: the GGUF's own blocks
+    made = loaded.weights.made()
+    assert made and not made & set(linear_weight_names(loaded.config)), sorted(made)[:5]
+    assert "model.embed_tokens.weight" in made  # read in fp32: the lookup
+    # read later, a matrix is the same as when every tensor was dequantized at load
+    name = "model.layers.3.self_attn.k_proj.weight"
+    gguf = read_gguf(default_model.default_model_path())
+    raw = next(t for t in gguf.tensors if hf_weight_name(t.name) == name)
+    expected = unpermute_rope_rows(dequantize(raw.data, raw.ggml_type).reshape(raw.shape), loaded.config.num_kv_heads)
+    assert torch.equal(loaded.weights[name], torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)))
 
 
 def test_default_model_path_without_package(monkeypatch):
