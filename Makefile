@@ -66,7 +66,8 @@ lint: $(STAMP)
 
 # pytest-xdist workers (tests/conftest.py: a module runs on one worker; while one waits on the
 # processes a cluster test started, another computes): two took a fresh clone's pytest from ~920-960 s
-# to 846 s here. PYTEST_WORKERS=0 runs them in this one process.
+# to 846 s here (678 s with uv, lazy weights and the AVX2 build in setup: 833 s in all, 2026-11-27).
+# PYTEST_WORKERS=0 runs them in this one process.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS)
 
