@@ -9,7 +9,7 @@ markers every test gets from where it lives and what it starts:
   Without CUDA they are skipped, with the reason.
 - ``slow`` stays as the modules set it (end-to-end tests, the oracle model).
 
-``make test`` runs the tests on three pytest-xdist workers (``-n``; ``PYTEST_WORKERS=0`` for one
+``make test`` runs the tests on two pytest-xdist workers (``-n``; ``PYTEST_WORKERS=0`` for one
 process): while one waits on the processes a cluster test starts, another computes.
 ``ModuleScheduling`` (below) hands out whole modules, so a module's fixtures (its cluster) exist
 once and its tests run in order on one worker; the modules that use the HF oracle
