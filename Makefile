@@ -65,9 +65,10 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # pytest-xdist workers (tests/conftest.py: a module runs on one worker; while one waits on the
-# processes a cluster test started, another computes): two took a fresh clone's pytest from ~920-960 s
-# to 846 s here (678 s with uv, lazy weights and the AVX2 build in setup: 833 s in all, 2026-11-27).
-# PYTEST_WORKERS=0 runs them in this one process.
+# processes a cluster test started, another computes). A fresh clone's `make test` here (2 cores,
+# 2026-11-27): two workers 833 and 953 s in all (pytest 678 / 793 s; the VM's speed drifts); three
+# 794 and 838 s, but the second failed test_routing (a Redis lookup over its budget under the load);
+# one process was ~1,150 s. PYTEST_WORKERS=0 runs them in this one process.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS)
 
