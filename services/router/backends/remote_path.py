@@ -129,6 +129,7 @@ class RemotePath:
                 self._spawn(prefill_rest if prefill_rest is not None else _drain(call, prefill))
         elif prefill_rest is not None:  # computed: let its pushes end (module docstring)
             assert reservation_id is not None  # prefill_rest starts once a reservation was read
+            self._spawn(prefill_rest)  # owned: close() cancels it, _forget reads its error
             self._spawn(_drain_then_release(call, prefill_rest, decode, reservation_id, transfer))
         else:
             if not call.done():
@@ -215,6 +216,4 @@ async def _drain_then_release(call: grpc.aio.UnaryStreamCall, rest: asyncio.Futu
     if not rest.done():
         rest.cancel()
         call.cancel()
-    elif not rest.cancelled():
-        rest.exception()  # retrieved: the prefill worker reports and cleans up its own failure
     await _release_after(call, decode, reservation_id, transfer)
