@@ -85,7 +85,8 @@ class EngineArgs:
     enforce_eager: bool = _setting(False, "CUDA: run decode steps eagerly instead of replaying "
                                    "captured CUDA graphs")
     num_threads: int = _setting(EngineConfig.num_threads,
-                                "CPU compute threads (0: every CPU this process may run on)")
+                                "CPU compute threads (0: OMP_NUM_THREADS where set, else every "
+                                "CPU this process may run on)")
     spec_method: str | None = _setting(SpecConfig.method, "speculative decoding proposer "
                                        "(default: off)", choices=SPEC_METHODS)
     spec_k: int = _setting(SpecConfig.k, "most draft tokens per step")

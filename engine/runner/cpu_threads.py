@@ -8,6 +8,10 @@ decode step took 460 ms instead of 26 ms here). So exactly one pool gets the cor
   torch's own small ops; torch gets the cores and BLAS one thread.
 - backend 'torch': the matmuls go through numpy's OpenBLAS (``kernels.linear.linear_ref``);
   BLAS gets the cores and torch one thread.
+- backend 'triton' on a CPU (the interpreter, ``TRITON_INTERPRET=1``: tests only): each kernel
+  program runs in Python on numpy tiles of a few KB; a second BLAS thread never speeds those up
+  and spins beside the interpreter (16 of 44 CPU-seconds of the whole-model Triton test), so both
+  pools get one thread.
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # n
 _limits = None  # keeps the BLAS limit alive for the life of the process
 
 
+def default_num_threads() -> int:
+    """``OMP_NUM_THREADS`` where it is set to a positive count (torch reads it too, as it loads),
+    else every CPU this process may run on."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else len(os.sched_getaffinity(0))
+
+
 def configure_cpu_threads(num_threads: int = 0, backend: str = "torch") -> int:
-    """Give the pool that does the work for ``backend`` ``num_threads`` threads (0: the CPUs
-    this process may run on) and the other pool one. Returns that thread count."""
+    """Give the pool that does the work for ``backend`` ``num_threads`` threads (0:
+    ``default_num_threads()``) and the other pool one. Returns that thread count."""
     global _limits
-    num_threads = num_threads or len(os.sched_getaffinity(0))
+    num_threads = 1 if backend == "triton" else num_threads or default_num_threads()
     compiled = backend == "cpu"
     torch.set_num_threads(num_threads if compiled else 1)
     _limits = threadpool_limits(limits=1 if compiled else num_threads, user_api="blas")
