@@ -14,17 +14,22 @@ process): while one waits on the processes a cluster test starts, another comput
 ``ModuleScheduling`` (below) hands out whole modules, so a module's fixtures (its cluster) exist
 once and its tests run in order on one worker; the modules that use the HF oracle
 (``HF_ORACLE_MODULES``) go together, so it is loaded and run once; slow
-modules first, so no long one is left for the end. Each worker's torch keeps every core (a worker
-computing alone gets them all) and OpenMP spins briefly (``GOMP_SPINCOUNT``, as ``pdserve up`` sets
-it for workers sharing cores): with the default spin, two workers' thread pools spinning for cores
-the other held slowed the HF oracle to a crawl; with one thread each it ran 3x slower than alone.
+modules first, so no long one is left for the end. Each worker computes on its share of the cores
+(``OMP_NUM_THREADS``: torch, OpenBLAS and the engine's default ``num_threads`` read it; the
+processes a test starts inherit it, and most take ``--num-threads`` anyway): two workers whose
+pools each spanned both cores spent the cores spinning for each other (the HF parity module took
+214 CPU-seconds beside another worker, 112 alone; an OpenBLAS thread spins ~0.1 s after each
+call). OpenMP also spins briefly (``GOMP_SPINCOUNT``, as ``pdserve up`` sets it for workers
+sharing cores).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,7 @@ NUM_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 # imports torch, and libgomp reads the variable once, as torch loads it
 if NUM_XDIST_WORKERS > 1:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // NUM_XDIST_WORKERS)))
 
 
 @functools.cache
@@ -148,9 +154,27 @@ def hf_model(default_model_path):
     from transformers import AutoModelForCausalLM
 
     directory, name = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Inside: the ``gguf`` package's file reader and tensor-name map are built once per argument.
+    transformers parses the file's header twice (for the config, then the tensors) and builds the
+    name map once per module (397 times): 10 of its 17.5 s load here (2 cores, alone). Only
+    repeated work goes; what transformers makes of the file is its own."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(reader)
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 @pytest.fixture(scope="session")
