@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from loadtests.prompts import distinct_prompts
+
 DRY = os.environ.get("DRY") == "1"
 DEVICE = "cpu" if DRY else "cuda"
 SHAPES: dict[str, dict[str, Any]] = {
@@ -91,6 +93,9 @@ def make_model(models_dir: Path, tokenizer_dir: Path, name: str, dtype: torch.dt
 
 
 def prompts(tokenizer: Any, length: int, count: int, offset: int = 0) -> list[list[int]]:
+    """The parity stage's prompts: slices of TEXT. The speed stages take ``distinct_prompts``
+    (TEXT repeats every 31 tokens: 256 slices are 31 distinct prompts, the rest prefix-cache
+    hits a real load would not give; the H100 run of 2026-11-26 used these)."""
     base = tokenizer.encode(TEXT)
     return [base[offset + i * 11: offset + i * 11 + length] for i in range(count)]
 
@@ -265,16 +270,16 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         started = time.perf_counter()
         llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
         row["engine_start_s"] = round(time.perf_counter() - started, 1)
-        generate_seconds(llm, prompts(tokenizer, 128, 4, offset=999), 8)
-        one = prompts(tokenizer, 128, 1, offset=7)
+        generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
+        one = distinct_prompts(tokenizer, 128, 1, salt=7)
         b1 = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
         row.update(decode_b1_tok_s=round(b1, 1), b1_vs_bound=round(b1 / bound, 3),
                    num_kv_blocks=llm.engine.runner.num_blocks,
                    graphs=len(llm.engine.runner.decode_graphs.sizes))
-        long = prompts(tokenizer, 512, 4 if DRY else 16, offset=13)
+        long = distinct_prompts(tokenizer, 512, 4 if DRY else 16, salt=13)
         row["prefill_tok_s"] = round(sum(map(len, long)) / generate_seconds(llm, long, 1), 1)
         for c in concurrency:
-            batch = prompts(tokenizer, 128, c, offset=17 + c)
+            batch = distinct_prompts(tokenizer, 128, c, salt=17 + c)
             row[f"out_tok_s_c{c}"] = round(c * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
         del llm
     except Exception:  # noqa: BLE001
@@ -283,7 +288,7 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
     try:
         model = hf(directory, torch.bfloat16)
         for b in (1, 4) if DRY else (1, 64):
-            batch = prompts(tokenizer, 128, b, offset=17 + b)
+            batch = distinct_prompts(tokenizer, 128, b, salt=17 + b)
             hf_generate_seconds(model, batch, 2)
             rate = decode_rate(lambda n, batch=batch, model=model: hf_generate_seconds(model, batch, n), new_tokens, b)
             row[f"hf_decode_b{b}_tok_s"] = round(rate, 1)
@@ -313,7 +318,7 @@ def stage_profile(args: argparse.Namespace, log: Log) -> None:
     new_tokens = 33
     report = []
     for batch_size in (1, 64):
-        batch = prompts(tokenizer, 128, batch_size, offset=7)
+        batch = distinct_prompts(tokenizer, 128, batch_size, salt=7)
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         llm.generate(batch, params)
         sync()

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 
 from loadtests.cluster import percentile, running_cluster, stream_completion
+from loadtests.prompts import distinct_prompts
 
 MODES = {
     "colocated": ["--colocated"],
@@ -44,13 +45,6 @@ MODES = {
 def decode_threads(mode: str) -> int:
     cores = len(os.sched_getaffinity(0))
     return max(1, cores - cores // 2) if mode.endswith("-pinned") else cores
-
-
-def prompts(tokenizer, length: int, count: int, salt: int = 0) -> list[list[int]]:
-    """``count`` distinct token-id prompts of ``length`` tokens (no shared prefix block)."""
-    base = tokenizer.encode("The history of computing is a story of ideas, machines and people. " * 400)
-    starts = [(salt + i) * 13 % (len(base) - length) for i in range(count)]
-    return [base[start:start + length] for start in starts]
 
 
 def offline_llm(loaded, num_threads: int, device: str):
@@ -75,7 +69,7 @@ def offline_ms_per_token(llm, loaded, batches: tuple[int, ...], tokens: int) -> 
 
     result = {}
     for batch in batches:
-        batch_prompts = prompts(loaded.tokenizer, 24, batch, salt=batch)
+        batch_prompts = distinct_prompts(loaded.tokenizer, 24, batch, salt=batch)
 
         def run(n: int, batch_prompts: list[list[int]] = batch_prompts) -> float:
             t0 = time.perf_counter()
@@ -91,7 +85,7 @@ def offline_rate(llm, loaded, concurrency: int, num_requests: int, args) -> floa
     """Output tok/s of the offline engine on the load's prompts, ``concurrency`` at a time."""
     from engine import SamplingParams
 
-    batch = prompts(loaded.tokenizer, args.load_prompt_len, num_requests, salt=1000 + concurrency)
+    batch = distinct_prompts(loaded.tokenizer, args.load_prompt_len, num_requests, salt=1000 + concurrency)
     params = SamplingParams(temperature=0, max_tokens=args.load_max_tokens, ignore_eos=True)
     started = time.perf_counter()
     for i in range(0, len(batch), concurrency):
@@ -107,7 +101,7 @@ async def itl(base_url: str, model: str, concurrency: int, tokens: int, tokenize
     async with aiohttp.ClientSession() as session:
         await stream_completion(session, base_url, model, "Warm up.", 4)
         for round_index in range(2):
-            batch = prompts(tokenizer, 24, concurrency, salt=100 * round_index + concurrency)
+            batch = distinct_prompts(tokenizer, 24, concurrency, salt=100 * round_index + concurrency)
             results = await asyncio.gather(*(stream_completion(session, base_url, model, p, tokens) for p in batch))
             failed = [r for r in results if not r.ok]
             if failed:
@@ -121,7 +115,7 @@ async def load(base_url: str, model: str, concurrency: int, num_requests: int, t
     """``num_requests`` streamed requests, at most ``concurrency`` in flight."""
     import aiohttp
 
-    batch = prompts(tokenizer, args.load_prompt_len, num_requests, salt=1000 + concurrency)
+    batch = distinct_prompts(tokenizer, args.load_prompt_len, num_requests, salt=1000 + concurrency)
     semaphore = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         async def one(prompt):
