@@ -212,6 +212,8 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype of the weights and activations
     seed: int = 0
     num_threads: int = 0  # CPU compute threads (0: OMP_NUM_THREADS if set, else every usable CPU)
+    # CPU: 'PATH:SLOT' of a file whose engines split their threads by who is busy (core_share.py)
+    core_share: str = ""
     # matmul weights: the GGUF's own blocks where a kernel reads them in float32 (auto: as llama.cpp
     # serves a GGUF on a CPU; dense weights in any other dtype, so bf16 on CUDA), dense fp32, or all
     # Q8_0 / 4-bit (engine/models/quant_weights.py)

@@ -16,12 +16,12 @@ decode step took 460 ms instead of 26 ms here). So exactly one pool gets the cor
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import torch
-from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # no stubs
-
-_limits = None  # keeps the BLAS limit alive for the life of the process
+from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]  # no stubs
 
 
 def default_num_threads() -> int:
@@ -34,9 +34,21 @@ def default_num_threads() -> int:
 def configure_cpu_threads(num_threads: int = 0, backend: str = "torch") -> int:
     """Give the pool that does the work for ``backend`` ``num_threads`` threads (0:
     ``default_num_threads()``) and the other pool one. Returns that thread count."""
-    global _limits
     num_threads = 1 if backend == "triton" else num_threads or default_num_threads()
+    set_pool_threads(num_threads, backend)
+    return num_threads
+
+
+def set_pool_threads(num_threads: int, backend: str) -> None:
+    """The working pool of ``backend`` (module docstring) on ``num_threads`` threads, the other
+    on one. Cheap enough to call between two steps (``core_share.CoreShare``); call it on the
+    thread that runs the steps (OpenMP's thread count is that thread's own setting)."""
     compiled = backend == "cpu"
     torch.set_num_threads(num_threads if compiled else 1)
-    _limits = threadpool_limits(limits=1 if compiled else num_threads, user_api="blas")
-    return num_threads
+    _blas().limit(limits=1 if compiled else num_threads)  # 10 us (a new threadpool_limits: 0.5 ms)
+
+
+@functools.cache
+def _blas() -> Any:
+    """The BLAS libraries loaded in this process (numpy's OpenBLAS), found once."""
+    return ThreadpoolController().select(user_api="blas")

@@ -18,7 +18,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import LoadedModel
 from engine.models.quant_weights import plan_quantized
 from engine.request import Request
-from engine.runner.cpu_threads import configure_cpu_threads
+from engine.runner.core_share import CoreShare
+from engine.runner.cpu_threads import configure_cpu_threads, set_pool_threads
 from engine.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, NoDecodeGraphs, StepLogits
 from engine.runner.inputs import ScheduledSeq, build_model_input
 from engine.runner.logit_rows import plan_logit_rows
@@ -69,8 +70,13 @@ class ModelRunner:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
         self.backend = select_backend(self.device, dtype)
+        self.core_share: CoreShare | None = None
         if self.device.type == "cpu" and dtype == torch.float32:
-            configure_cpu_threads(config.num_threads, self.backend)
+            num_threads = configure_cpu_threads(config.num_threads, self.backend)
+            if config.core_share:
+                backend = self.backend
+                self.core_share = CoreShare(config.core_share, num_threads,
+                                            lambda threads: set_pool_threads(threads, backend))
         plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
                               config.dtype)
         # GGUF blocks: the compiled kernels serve every size. Their quantized matmul is the format's
@@ -119,7 +125,18 @@ class ModelRunner:
                 draft_probs: dict[str, torch.Tensor | None] | None = None) -> RunnerOutput:
         """Forward the scheduled tokens; sample for every request that reached its last token
         (and for the parallel samples forked from it this step); verify draft tokens of the
-        requests that carry them (``draft_probs``: their q, None for a point mass)."""
+        requests that carry them (``draft_probs``: their q, None for a point mass). With a core
+        share, on the thread count it gives for this step."""
+        if self.core_share is None:
+            return self._execute(sched, block_ids, draft_probs)
+        self.core_share.step_started()
+        try:
+            return self._execute(sched, block_ids, draft_probs)
+        finally:
+            self.core_share.step_ended()
+
+    def _execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+                 draft_probs: dict[str, torch.Tensor | None] | None) -> RunnerOutput:
         if sched.copy_ops:
             src, dst = zip(*sched.copy_ops)
             self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.args import EngineArgs
 from engine.config import is_cuda_device
+from engine.runner.core_share import create_share_file
 from services.common.auth import add_api_key_arguments, api_key_argv, api_key_env
 from services.common.engine_flags import add_engine_arguments, engine_args_from, engine_argv
 from services.common.grpc_server import DEFAULT_GRACE_S
@@ -31,7 +32,9 @@ DESCRIPTION = ("pdserve up: the local cluster — N prefill + M decode workers, 
 # microseconds between the regions of one step. Measured on 2 cores, 1 prefill + 1 decode, the
 # 196/128-token load at concurrency 16: 147 output tok/s with libgomp's default spin, 221 with
 # this one, 166 with each worker pinned to its own core (--pin-cores), 279 colocated; at
-# concurrency 1, 39.6 tok/s shared against 24.4 pinned.
+# concurrency 1, 39.6 tok/s shared against 24.4 pinned. On top of that the workers share a
+# core-share file (shared_cores_file): while both compute, each step runs on half the threads
+# (2026-11-27, distinct prompts: 0.58-0.60x colocated at c=16 -> 0.78-0.89x, c=1 ITL unchanged).
 SHARED_CORES_SPIN_COUNT = "20000"
 
 
@@ -89,6 +92,16 @@ def cpu_split(num_prefill: int, num_decode: int) -> tuple[list[int], list[int]] 
     return cpus[:half], cpus[half:]
 
 
+def shared_cores_file(args: argparse.Namespace, log_dir: Path) -> Path | None:
+    """The core-share file of workers that share every core on a CPU (engine/runner/core_share.py:
+    each step on the cores divided by the workers busy then), or None: colocated, one worker, or
+    CUDA."""
+    num_workers = args.prefill + args.decode
+    if args.colocated or num_workers < 2 or is_cuda_device(engine_args_from(args).device):
+        return None
+    return create_share_file(log_dir / "core-share", num_workers)
+
+
 def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> tuple[list[Child], Child]:
     """The worker processes and the router process to start. Each gets ``--model`` and every
     engine flag whose value in ``args`` differs from its default (the user's, from the command
@@ -106,6 +119,7 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
     # every worker's engine shares the one GPU: each gets its part of --gpu-memory-utilization
     worker_engine = [*model, *engine_argv(gpu_share(engine_args, args.prefill + args.decode))]
     split = cpu_split(args.prefill, args.decode) if args.pin_cores else None
+    share = shared_cores_file(args, log_dir) if split is None else None
     if not args.colocated:
         for role, count, index in (("prefill", args.prefill, 0), ("decode", args.decode, 1)):
             if split is not None:
@@ -117,11 +131,12 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
             for i in range(count):
                 port = free_port()
                 name = f"{role}-{i}"
+                share_args = [] if share is None else ["--core-share", f"{share}:{len(workers)}"]
                 workers.append(Child(name, [
                     "-m", "services.cli", "serve", role, "--host", HOST, "--port", str(port),
                     "--worker-id", name, "--transfer", args.transfer,
-                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *index_argv, *kvstore_argv, *worker_engine,
-                    *extra],
+                    "--drain-grace-s", str(args.drain_grace_s), *cpu_args, *share_args, *index_argv,
+                    *kvstore_argv, *worker_engine, *extra],
                     f"{HOST}:{port}", log_dir / f"{name}.log"))
     router_argv = ["-m", "services.cli", "serve", "router", "--http-port", str(args.http_port),
                    "--grpc-port", str(args.grpc_port), *index_argv, *api_key_argv(args), *engine]

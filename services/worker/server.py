@@ -85,7 +85,7 @@ async def start_runtime(args: argparse.Namespace, role: Role) -> WorkerRuntime:
 
     def make_core() -> EngineCore:
         loaded = load_model(args.model)
-        config = engine_args.build(loaded.config, role)
+        config = dataclasses.replace(engine_args.build(loaded.config, role), core_share=args.core_share)
         if getattr(args, "redis_url", ""):  # the prefix index follows the cache through its events
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_events=True))
         if kvstore is None:

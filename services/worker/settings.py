@@ -33,6 +33,9 @@ class WorkerFlags:
     transfer: str = setting("nixl", "KV transport: nixl (one-sided writes over UCX; gRPC is "
                             "served as well) or grpc only", choices=TRANSFERS)
     cpus: str = setting("", "pin to these CPUs, e.g. '0-3,6' (empty: no pinning)")
+    core_share: str = setting("", "PATH:SLOT of a core-share file (pdserve up makes one for workers on "
+                              "the same cores, engine/runner/core_share.py): each engine step on "
+                              "--num-threads divided by the workers busy then (empty: always all)")
     log_level: str = setting("INFO", "log level (DEBUG: one line per request with its timings)",
                              choices=LOG_LEVELS)
     drain_grace_s: float = setting(DEFAULT_GRACE_S, "on SIGTERM, seconds in-flight RPCs may still run")
