@@ -132,3 +132,28 @@ def test_an_index_with_other_hash_settings_is_refused_at_startup(redis_server, i
     with pytest.raises(IndexMetaMismatch, match="hash_seed"):
         policy.configure(other)
     policy.close()
+
+
+def test_a_release_still_in_flight_is_never_another_routers_request(redis_server, index):
+    """finish() releases in the background; until Redis has the release, the reservation it
+    still lists is counted as this router's own, not as one more request of another router."""
+    import threading
+
+    policy = policy_for(redis_server.url)
+    gate = threading.Event()
+    try:
+        asyncio.run(policy.plan("r1", PROMPT, GREEDY, PREFILL, DECODE))  # reserves p1 and a decode worker
+        policy._executor.submit(gate.wait, 5.0)  # the reservation thread busy: the release queues
+        policy.finish("r1")
+        matches = policy.index.match([])
+        assert matches["p1"].num_reserved == 1  # still in Redis ...
+        assert policy._others(matches, "p1") == 0  # ... and still ours
+        gate.set()
+        deadline = time.monotonic() + 2.0
+        while policy.index.match([])["p1"].num_reserved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        matches = policy.index.match([])
+        assert matches["p1"].num_reserved == 0 and policy._others(matches, "p1") == 0
+    finally:
+        gate.set()
+        policy.close()

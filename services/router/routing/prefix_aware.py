@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,7 +75,11 @@ class PrefixAwarePolicy(LoadPolicy):
         scoring = config.scoring
         self.recent = {role: RecentDecisions(scoring.memory_ttl_s, scoring.max_memory_entries)
                        for role in ("prefill", "decode")}
-        self._own: dict[str, int] = {}  # worker id -> this router's reservations there
+        # worker id -> this router's reservations there, until Redis has them released: a
+        # release runs in the background, and a lookup reading the reservation still in Redis
+        # while it was no longer counted here saw one request of "another router" on the worker
+        self._own: dict[str, int] = {}
+        self._own_lock = threading.Lock()
         self._reserved: dict[str, list[str]] = {}  # request id -> worker ids reserved
         # Lookups get a thread of their own: the background reservation writes (two per request,
         # never awaited) must not queue in front of the lookup a request is waiting on.
@@ -153,17 +158,29 @@ class PrefixAwarePolicy(LoadPolicy):
         if self.index is None:
             return
         self._reserved[request_id] = worker_ids
+        with self._own_lock:
+            for wid in worker_ids:
+                self._own[wid] = self._own.get(wid, 0) + 1
         for wid in worker_ids:
-            self._own[wid] = self._own.get(wid, 0) + 1
             self._executor.submit(self.index.reserve, wid, request_id)
 
     def finish(self, request_id: str) -> None:
-        """The request ended (any way): release its reservations (in the background)."""
+        """The request ended (any way): release its reservations (in the background; each
+        stays counted as this router's until its release is done)."""
         worker_ids = self._reserved.pop(request_id, [])
+        if worker_ids:
+            self._executor.submit(self._release, request_id, worker_ids)
+
+    def _release(self, request_id: str, worker_ids: list[str]) -> None:
+        """On the reservation thread: release in Redis, then stop counting them as ours."""
+        index = self.index
         for wid in worker_ids:
-            self._own[wid] = max(self._own.get(wid, 0) - 1, 0)
-            if self.index is not None:
-                self._executor.submit(self.index.release, wid, request_id)
+            try:
+                if index is not None:
+                    index.release(wid, request_id)
+            finally:
+                with self._own_lock:
+                    self._own[wid] = max(self._own.get(wid, 0) - 1, 0)
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)

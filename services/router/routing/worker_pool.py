@@ -94,14 +94,20 @@ class Worker:
         self.is_healthy, self.status = False, reason
 
     def load(self) -> WorkerLoad:
+        """The last poll's stats corrected by what this router began and ended since. A request
+        that ended since was counted running or waiting (a decode worker's request waits for
+        its KV): it comes off the running count first, then off the waiting one (correcting
+        only the running count left a request that was waiting at the poll queued until the
+        next one, and the next request sharing its prefix went to another worker)."""
         s = self.stats
         requests, tokens, blocks = (now - then for now, then in zip(self.local, self._local_at_poll))
+        running = s.num_running_requests + requests
         return WorkerLoad(
             address=self.address,
             num_free_blocks=max(s.num_free_blocks - blocks, 0),
             num_total_blocks=s.num_total_blocks, block_size=self.block_size,
-            num_running=max(s.num_running_requests + requests, 0),
-            num_waiting=s.num_waiting_requests,
+            num_running=max(running, 0),
+            num_waiting=max(s.num_waiting_requests + min(running, 0), 0),
             num_outstanding_prefill_tokens=max(s.num_outstanding_prefill_tokens + tokens, 0),
             worker_id=s.worker_id)
 
