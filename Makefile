@@ -65,10 +65,12 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # pytest-xdist workers (tests/conftest.py: a module runs on one worker; while one waits on the
-# processes a cluster test started, another computes). A fresh clone's `make test` here (2 cores,
-# 2026-11-27): two workers 833 and 953 s in all (pytest 678 / 793 s; the VM's speed drifts); three
-# 794 and 838 s, but the second failed test_routing (a Redis lookup over its budget under the load);
-# one process was ~1,150 s. PYTEST_WORKERS=0 runs them in this one process.
+# processes a cluster test started, another computes; each computes on its share of the cores:
+# tests/conftest.py). A fresh clone's `make test` here (2 cores, 2026-11-27): two workers 751 and
+# 767 s in all (pytest 549 / 608 s), 833-953 s before the workers stopped spinning against each
+# other; three workers (before that) 794 and 838 s, the second with test_routing failing (a Redis
+# lookup over its budget under the load); one process was ~1,150 s. PYTEST_WORKERS=0 runs them in
+# this one process.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS)
 
