@@ -143,6 +143,9 @@ def test_a_release_still_in_flight_is_never_another_routers_request(redis_server
     gate = threading.Event()
     try:
         asyncio.run(policy.plan("r1", PROMPT, GREEDY, PREFILL, DECODE))  # reserves p1 and a decode worker
+        deadline = time.monotonic() + 2.0
+        while policy.index.match([])["p1"].num_reserved != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the reservation is written in the background too
         policy._executor.submit(gate.wait, 5.0)  # the reservation thread busy: the release queues
         policy.finish("r1")
         matches = policy.index.match([])
