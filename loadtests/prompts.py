@@ -13,9 +13,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from engine.config import CacheConfig
+
 WORDS = ("the history of computing is a story of ideas machines and people who built them "
          "from relays to transistors chips networks languages compilers memory disks").split()
-FIRST_BLOCK_TOKENS = 16  # the engine's default KV block: prompts must differ within it
+FIRST_BLOCK_TOKENS = CacheConfig.block_size  # the engine's default KV block: prompts must differ within it
 
 
 def distinct_prompts(tokenizer: Any, length: int, count: int, salt: int | str = 0) -> list[list[int]]:

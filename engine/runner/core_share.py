@@ -96,7 +96,3 @@ class CoreShare:
     def step_ended(self) -> None:
         self._ended = time.monotonic_ns()
         _SLOT.pack_into(self._map, self._offset, self._started, self._ended)
-
-    def close(self) -> None:
-        _SLOT.pack_into(self._map, self._offset, 0, 0)
-        self._map.close()

@@ -6,6 +6,7 @@ decide anything; the scheduler did.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -74,9 +75,8 @@ class ModelRunner:
         if self.device.type == "cpu" and dtype == torch.float32:
             num_threads = configure_cpu_threads(config.num_threads, self.backend)
             if config.core_share:
-                backend = self.backend
                 self.core_share = CoreShare(config.core_share, num_threads,
-                                            lambda threads: set_pool_threads(threads, backend))
+                                            functools.partial(set_pool_threads, backend=self.backend))
         plan = plan_quantized(loaded.config, loaded.weights, loaded.blocks, config.weight_format,
                               config.dtype)
         # GGUF blocks: the compiled kernels serve every size. Their quantized matmul is the format's

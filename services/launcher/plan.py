@@ -34,7 +34,7 @@ DESCRIPTION = ("pdserve up: the local cluster — N prefill + M decode workers, 
 # this one, 166 with each worker pinned to its own core (--pin-cores), 279 colocated; at
 # concurrency 1, 39.6 tok/s shared against 24.4 pinned. On top of that the workers share a
 # core-share file (shared_cores_file): while both compute, each step runs on half the threads
-# (2026-11-27, distinct prompts: 0.58-0.60x colocated at c=16 -> 0.78-0.89x, c=1 ITL unchanged).
+# (2026-11-27, distinct prompts: 0.58-0.60x colocated at c=16 -> 0.75-0.89x, c=1 ITL unchanged).
 SHARED_CORES_SPIN_COUNT = "20000"
 
 

@@ -122,9 +122,13 @@ def test_up_gives_workers_on_shared_cores_a_slot_each(tmp_path):
     specs = _share_specs(["--prefill", "1", "--decode", "2"], tmp_path)
     assert specs == [f"{tmp_path / 'core-share'}:{slot}" for slot in range(3)]
     for spec in specs:  # every slot opens
-        CoreShare(spec, 2, lambda threads: None).close()
+        CoreShare(spec, 2, lambda threads: None)
 
 
 @pytest.mark.parametrize("argv", [["--pin-cores"], ["--colocated"], ["--device", "cuda"]])
 def test_pinned_colocated_or_cuda_workers_share_nothing(tmp_path, argv):
-    assert set(_share_specs(argv, tmp_path)) <= {""}
+    from services import launcher
+
+    workers, router = launcher.plan(launcher.build_parser().parse_args(argv), tmp_path)
+    assert all("--core-share" not in child.argv for child in [*workers, router])
+    assert not (tmp_path / "core-share").exists()

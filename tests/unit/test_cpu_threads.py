@@ -16,7 +16,6 @@ def restore_threads():
     before = torch.get_num_threads()
     yield
     configure_cpu_threads(before, "cpu")  # torch back to its count (BLAS to one: the 'cpu' policy)
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("value, expected", [("3", 3), ("1", 1)])

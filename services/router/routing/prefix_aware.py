@@ -173,11 +173,10 @@ class PrefixAwarePolicy(LoadPolicy):
 
     def _release(self, request_id: str, worker_ids: list[str]) -> None:
         """On the reservation thread: release in Redis, then stop counting them as ours."""
-        index = self.index
+        assert self.index is not None  # _reserve records nothing without one
         for wid in worker_ids:
             try:
-                if index is not None:
-                    index.release(wid, request_id)
+                self.index.release(wid, request_id)
             finally:
                 with self._own_lock:
                     self._own[wid] = max(self._own.get(wid, 0) - 1, 0)
