@@ -132,6 +132,9 @@ class KVCacheManager:
 
         if state is None:
             state = self._requests[request_id] = _RequestBlocks(blocks, len(new_computed_blocks), 0)
+        elif not (num_appended or cow_indices or new_computed_blocks):  # a token in a block it owns
+            state.num_tokens = num_total_tokens
+            return []
         # Touch before allocating, so the pool cannot evict a block we are about to reuse.
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)

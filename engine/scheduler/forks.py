@@ -81,6 +81,9 @@ class PendingForks:
         """The step's requests, each followed by the samples forked from it this step, which
         share its blocks and join ``running``. They fork before the parent's own update, which
         may finish it and free its blocks."""
+        if not out.fork_children:
+            yield from out.scheduled
+            return
         for request in out.scheduled:
             children = [] if request.is_finished else [  # aborted while the step ran
                 c for c in out.fork_children.get(request.request_id, ()) if not c.is_finished]
