@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.config import (
+    ASYNC_SCHEDULING,
     DTYPES,
     SPEC_METHODS,
     WEIGHT_FORMATS,
@@ -84,6 +85,10 @@ class EngineArgs:
                                   choices=WEIGHT_FORMATS)
     enforce_eager: bool = _setting(False, "CUDA: run decode steps eagerly instead of replaying "
                                    "captured CUDA graphs")
+    async_scheduling: str = _setting(EngineConfig.async_scheduling, "schedule each decode step "
+                                     "before the last one's tokens reach the host, so scheduling and "
+                                     "output overlap the device's work (auto: on CUDA, without "
+                                     "speculation)", choices=ASYNC_SCHEDULING)
     num_threads: int = _setting(EngineConfig.num_threads,
                                 "CPU compute threads (0: OMP_NUM_THREADS where set, else every "
                                 "CPU this process may run on)")
@@ -139,4 +144,5 @@ class EngineArgs:
                 role=role),
             spec=SpecConfig() if role == Role.PREFILL else spec,
             device=self.device, dtype=dtype, num_threads=self.num_threads,
-            weight_format=self.weight_format, enforce_eager=self.enforce_eager)
+            weight_format=self.weight_format, enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling)

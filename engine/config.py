@@ -160,6 +160,7 @@ def device_defaults(device: str) -> DeviceDefaults:
 
 WEIGHT_FORMATS = ("auto", "fp32", "q8_0", "q4")  # engine/models/quant_weights.py says what each means
 SPEC_METHODS = ("ngram", "layer-skip", "draft")
+ASYNC_SCHEDULING = ("auto", "on", "off")  # engine/core.py: auto is on where the step runs on CUDA
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,14 @@ class EngineConfig:
     weight_format: str = "auto"
     # CUDA: decode steps replay captured graphs (engine/runner/cuda_graphs.py) unless this is set
     enforce_eager: bool = False
+    # decode steps scheduled one ahead of their tokens, so the host's work overlaps the device's
+    # (engine/scheduler/chained.py); auto: on CUDA without speculation
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ConfigError(f"async_scheduling must be {'|'.join(ASYNC_SCHEDULING)}, "
+                              f"got {self.async_scheduling!r}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weight_format must be {'|'.join(WEIGHT_FORMATS)}, got {self.weight_format!r}")
         if self.weight_format in ("q8_0", "q4") and self.dtype != "float32":

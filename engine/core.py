@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, Role
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.events import KVCacheEvent, Tier
 from engine.kv_cache.hashing import BlockHash
@@ -17,7 +17,10 @@ from engine.kv_cache.tiers.build import build_host_tier
 from engine.kv_cache.tiers.lower_tier import LowerTier
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
-from engine.runner.model_runner import ModelRunner, RunnerOutput
+from engine.runner.deferred import DeferredTokens
+from engine.runner.model_runner import ModelRunner
+from engine.runner.output import RunnerOutput
+from engine.sampling.metadata import takes_argmax_unseen
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
@@ -54,6 +57,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, loaded.config, self.kv_manager,
                                    config.cache.block_size, config.cache.enable_prefix_caching,
                                    self.host_tier)
+        self.async_scheduling = uses_async_scheduling(config)
+        self._in_flight: _Launched | None = None  # a chained step launched and not booked
+        self.num_chained_steps = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:
@@ -134,12 +140,57 @@ class EngineCore:
         return output
 
     def step(self) -> list[RequestOutput]:
-        """Schedule -> execute -> update. Returns each touched request's new tokens."""
-        sched = self._schedule()
-        if sched.is_empty:
-            return []
-        result = self._execute(sched)
-        return self._update(sched, result)
+        """Schedule -> execute -> update. Returns each touched request's new tokens.
+
+        With async scheduling, a decode step of plain greedy rows is followed on the device by
+        the next decode step, chained before this one is booked (``engine/scheduler/chained.py``):
+        ``step`` then returns this step's tokens while the next one runs, and the next call books
+        that one (and chains another) instead of scheduling afresh."""
+        if not self.async_scheduling:
+            sched = self._schedule()
+            if sched.is_empty:
+                return []
+            result = self._launch(sched, defer=False).result
+            assert isinstance(result, RunnerOutput)
+            return self._update(sched, result)
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            sched = self._schedule()
+            if sched.is_empty:
+                return []
+            self.scheduler.unbooked.launched(sched)
+            launched = self._launch(sched, defer=True)
+        if isinstance(launched.result, DeferredTokens):
+            chained = self.scheduler.schedule_chained(launched.sched, self._can_chain)
+            if chained is not None:
+                self.host_tier.flush()
+                self.scheduler.unbooked.launched(chained)
+                self._in_flight = self._launch(chained, defer=True, chain=launched.result)
+                self.num_chained_steps += 1
+        result = launched.result
+        if isinstance(result, DeferredTokens):
+            result = result.output()
+        self.scheduler.unbooked.booking()
+        return self._update(launched.sched, result)
+
+    def _launch(self, sched: SchedulerOutput, defer: bool, chain: DeferredTokens | None = None) -> _Launched:
+        """The forward (with the drafts' verification) over the scheduled requests' blocks;
+        with ``defer``, a plain greedy decode step's tokens may still be on their way
+        (``ModelRunner.launch``). A step of at least a block's worth of tokens is
+        prefill-dominated: its rate feeds the recompute estimate of the host tier's load
+        decisions."""
+        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
+        draft_probs = self.spec.fill(sched, block_ids)
+        start = time.perf_counter()
+        result = self.runner.launch(sched, block_ids, draft_probs, defer, chain)
+        num_tokens = sched.total_num_scheduled_tokens
+        if num_tokens >= self.config.cache.block_size and isinstance(result, RunnerOutput):
+            self.host_tier.observe_prefill(num_tokens, time.perf_counter() - start)
+        return _Launched(sched, result)
+
+    def _can_chain(self, request: Request) -> bool:
+        return takes_argmax_unseen(request.sampling_params, request.num_output_tokens + 1,
+                                   self.model_config.eos_token_ids)
 
     def _schedule(self) -> SchedulerOutput:
         """Drafts are proposed first (the schedule counts them in the token budget); the host
@@ -148,19 +199,6 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.host_tier.flush()
         return sched
-
-    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The forward (with the drafts' verification) over the scheduled requests' blocks. A
-        step of at least a block's worth of tokens is prefill-dominated: its rate feeds the
-        recompute estimate of the host tier's load decisions."""
-        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
-        draft_probs = self.spec.fill(sched, block_ids)
-        start = time.perf_counter()
-        result = self.runner.execute(sched, block_ids, draft_probs)
-        num_tokens = sched.total_num_scheduled_tokens
-        if num_tokens >= self.config.cache.block_size:
-            self.host_tier.observe_prefill(num_tokens, time.perf_counter() - start)
-        return result
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Token accounting, then the finished samples are forgotten."""
@@ -181,7 +219,8 @@ class EngineCore:
                 del self._samples[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to serve, or a chained step to book (its requests may all have finished)."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- disaggregation hooks (services/prefill, services/decode) -------------------
 
@@ -302,3 +341,20 @@ class EngineCore:
         """Raise RuntimeError if the block pool, the block tables or the host tier are inconsistent."""
         self.kv_manager.check_integrity()
         self.host_tier.check_integrity()
+
+
+@dataclasses.dataclass(slots=True)
+class _Launched:
+    sched: SchedulerOutput
+    result: RunnerOutput | DeferredTokens
+
+
+def uses_async_scheduling(config: EngineConfig) -> bool:
+    """``config.async_scheduling`` resolved: 'auto' is on for a CUDA engine. Never for a
+    prefill engine (its requests end at their first token) or with speculation (a step with
+    drafts needs the host to have the tokens before it)."""
+    if config.scheduler.role == Role.PREFILL or config.spec.method is not None:
+        return False
+    if config.async_scheduling == "auto":
+        return torch.device(config.device).type == "cuda"
+    return config.async_scheduling == "on"

@@ -19,7 +19,9 @@ against HF on the same weights.
 - speed-smol / speed-1b7 (bf16, the engine's defaults for CUDA): batch-1 decode tok/s against the
   bound (bf16 weight bytes / copy bandwidth, bytes read + written), prefill tok/s, output
   tok/s of 1/16/64/256 concurrent 128-token prompts x 128 tokens; HF ``generate`` (sdpa) at
-  batch 1 and 64 in the same run, each pdserve number printed as a ratio to its baseline.
+  batch 1 and 64 in the same run, each pdserve number printed as a ratio to its baseline; then
+  batch 1 and the largest concurrency again with ``async_scheduling='off'`` (``sync_*``,
+  ``async_vs_sync_*``: what scheduling one decode step ahead gives, same run).
 One JSON line per measurement on stdout and in ``<out>/results.jsonl``.
 """
 
@@ -105,9 +107,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def pdserve(directory: Path, dtype: str, backend: str, **engine_args: Any) -> Any:
+    """pdserve's offline engine with the defaults of the device (async scheduling, the default
+    on CUDA, also in a dry run, so that its path is checked on the CPU)."""
     from engine import LLM
 
     os.environ["PDSERVE_ATTENTION_BACKEND"] = backend
+    if DRY:
+        engine_args.setdefault("async_scheduling", "on")
     return LLM(str(directory), device=DEVICE, dtype=dtype, max_model_len=4096, cpu_offload_gb=0, **engine_args)
 
 
@@ -281,6 +287,18 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         for c in concurrency:
             batch = distinct_prompts(tokenizer, 128, c, salt=17 + c)
             row[f"out_tok_s_c{c}"] = round(c * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
+        del llm
+        _free()
+        # the same engine scheduling synchronously: what async scheduling gives, same run
+        llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton", async_scheduling="off")
+        generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
+        b1_sync = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
+        big = concurrency[-1]
+        batch = distinct_prompts(tokenizer, 128, big, salt=17 + big)
+        big_sync = big * new_tokens / generate_seconds(llm, batch, new_tokens)
+        row.update(sync_decode_b1_tok_s=round(b1_sync, 1), sync_out_tok_s_c=round(big_sync, 1),
+                   async_vs_sync_b1=round(b1 / b1_sync, 3),
+                   async_vs_sync_c=round(row[f"out_tok_s_c{big}"] / big_sync, 3))
         del llm
     except Exception:  # noqa: BLE001
         row["error"] = traceback.format_exc()[-3000:]

@@ -71,7 +71,8 @@ def is_decode_only(seqs: Sequence[ScheduledSeq]) -> bool:
 class DecodeBuffers:
     """The graphs' inputs: device tensors written in place each step, for up to ``max_seqs``
     sequences with block tables ``max_blocks`` wide, staged in (pinned, on CUDA) host memory and
-    copied to the device in one non-blocking copy per tensor."""
+    copied to the device in one non-blocking copy per tensor. The staging is written again only
+    once the last step's copies have read it."""
 
     def __init__(self, max_seqs: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.max_seqs, self.max_blocks, self.block_size = max_seqs, max_blocks, block_size
@@ -94,6 +95,9 @@ class DecodeBuffers:
         # numpy views of the host staging: the per-row writes below cost ~0.1 us each
         self._np = [host.numpy() for host, _ in self._pairs]
         self._np_tables = self._block_tables[0].numpy()
+        # set when the last step's copies have read the staging (a chained step is staged while
+        # the step before may not have reached its copies yet: async scheduling)
+        self._staged = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]
 
     def _pad(self, start: int, stop: int) -> None:
         """Rows [start, stop) as padding: token 0 at position 0, nothing stored, context 1."""
@@ -102,20 +106,23 @@ class DecodeBuffers:
         self._slot_mapping[0][start:stop] = -1
         self._seq_lens[0][start:stop] = 1
 
-    def write(self, seqs: Sequence[ScheduledSeq], bucket: int) -> None:
+    def write(self, seqs: Sequence[ScheduledSeq], bucket: int, input_ids: torch.Tensor | None = None) -> None:
         """Stage one decode token per sequence and pad up to ``bucket`` rows; ValueError if a
-        block table is too short or the step does not fit the buffers."""
+        block table is too short or the step does not fit the buffers. ``input_ids`` (on the
+        device, one per sequence) replace the sequences' tokens."""
         n, bs = len(seqs), self.block_size
         if not n <= bucket <= self.max_seqs:
             raise ValueError(f"{n} sequences in a bucket of {bucket}: at most {self.max_seqs}")
-        input_ids, positions, slot_mapping, seq_lens = self._np
+        if self._staged is not None:
+            self._staged.synchronize()
+        host_ids, positions, slot_mapping, seq_lens = self._np
         for i, s in enumerate(seqs):
             pos = s.start_pos
             needed = pos // bs + 1
             if len(s.block_ids) < needed or needed > self.max_blocks:
                 raise ValueError(f"sequence {i} needs {needed} blocks for {pos + 1} tokens, its block "
                                  f"table has {len(s.block_ids)} (at most {self.max_blocks} fit)")
-            input_ids[i] = s.token_ids[0]
+            host_ids[i] = s.token_ids[0]
             positions[i] = pos
             slot_mapping[i] = s.block_ids[pos // bs] * bs + pos % bs
             seq_lens[i] = pos + 1
@@ -123,6 +130,10 @@ class DecodeBuffers:
         self._pad(n, bucket)
         for host, dev in (*self._pairs, self._block_tables):
             dev[:bucket].copy_(host[:bucket], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        if input_ids is not None:
+            self._input_ids[1][:n].copy_(input_ids)
 
     def inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, attention metadata): views of the first ``bucket`` rows."""
@@ -199,12 +210,13 @@ class DecodeGraphs:
     def can_run(self, seqs: Sequence[ScheduledSeq]) -> bool:
         return bool(seqs) and len(seqs) <= self.sizes[-1] and is_decode_only(seqs)
 
-    def run(self, seqs: Sequence[ScheduledSeq]) -> StepLogits:
+    def run(self, seqs: Sequence[ScheduledSeq], input_ids: torch.Tensor | None = None) -> StepLogits:
         """The logits [len(seqs), vocab] and greedy tokens of one decode step (views into the
-        graph's output: read them before the next ``run``)."""
+        graph's output: read them before the next ``run``, on the device or the host).
+        ``input_ids``: the step's tokens already on the device (``DecodeBuffers.write``)."""
         bucket = bucket_for(len(seqs), self.sizes)
         assert bucket is not None, "run() needs can_run(seqs)"
-        self.buffers.write(seqs, bucket)
+        self.buffers.write(seqs, bucket, input_ids)
         logits, greedy = self._replays[bucket]()
         assert greedy is not None
         return StepLogits(logits[:len(seqs)], greedy[:len(seqs)])
@@ -222,5 +234,5 @@ class NoDecodeGraphs:
     def can_run(self, seqs: Sequence[ScheduledSeq]) -> bool:
         return False
 
-    def run(self, seqs: Sequence[ScheduledSeq]) -> StepLogits:
+    def run(self, seqs: Sequence[ScheduledSeq], input_ids: torch.Tensor | None = None) -> StepLogits:
         raise RuntimeError("decode graphs are off")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -22,13 +22,15 @@ from engine.request import Request
 from engine.runner.core_share import CoreShare
 from engine.runner.cpu_threads import configure_cpu_threads, set_pool_threads
 from engine.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs, NoDecodeGraphs, StepLogits
+from engine.runner.deferred import DeferredSteps, DeferredTokens
 from engine.runner.inputs import ScheduledSeq, build_model_input
-from engine.runner.logit_rows import plan_logit_rows
+from engine.runner.logit_rows import LogitRows, plan_logit_rows
 from engine.runner.memory import gpu_kv_blocks
+from engine.runner.output import RunnerOutput
 from engine.runner.warmup import warm_up
-from engine.sampling.logprobs import PositionLogprobs, compute_prompt_logprobs
-from engine.sampling.metadata import SamplingMetadata, takes_argmax
-from engine.sampling.sampler import Sampler, argmax_rows, tokens_or_none
+from engine.sampling.logprobs import compute_prompt_logprobs
+from engine.sampling.metadata import SamplingMetadata, takes_argmax, takes_argmax_unseen
+from engine.sampling.sampler import Sampler, argmax_rows, greedy_tokens, tokens_or_none
 from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.verify import verify_drafts
 from engine.structured.bitmask import build_grammar_mask
@@ -55,14 +57,6 @@ def kv_quant_ops(ops: Ops, backend: str) -> Ops:
         return ops
     compiled = compiled_ops()
     return replace(ops, store_kv=compiled.store_kv, paged_attention=compiled.paged_attention)
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # per request id
-    # this step's chunk only; None at prompt position 0
-    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -104,6 +98,7 @@ class ModelRunner:
             seconds = warm_up(self.model, self.kv_cache, config.scheduler.max_num_batched_tokens)
             log.info("compiled the kernels' variants in %.1f s", seconds)
         self.decode_graphs = self._decode_graphs(config)
+        self.deferred = DeferredSteps(config.scheduler.max_num_seqs, self.device)
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | NoDecodeGraphs:
         """Decode steps as CUDA graphs, captured now (``engine/runner/cuda_graphs.py``), on CUDA
@@ -127,32 +122,52 @@ class ModelRunner:
         (and for the parallel samples forked from it this step); verify draft tokens of the
         requests that carry them (``draft_probs``: their q, None for a point mass). With a core
         share, on the thread count it gives for this step."""
+        out = self.launch(sched, block_ids, draft_probs)
+        return out.output() if isinstance(out, DeferredTokens) else out
+
+    def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+               draft_probs: dict[str, torch.Tensor | None] | None = None, defer: bool = False,
+               chain: DeferredTokens | None = None) -> RunnerOutput | DeferredTokens:
+        """``execute``, but with ``defer`` a decode step of plain greedy rows returns its tokens
+        still on their way to the host (``deferred.py``) instead of waiting for them. ``chain``:
+        the step before a chained one (``sched.chained``), whose tokens are its input ids."""
         if self.core_share is None:
-            return self._execute(sched, block_ids, draft_probs)
+            return self._execute(sched, block_ids, draft_probs, defer, chain)
         self.core_share.step_started()
         try:
-            return self._execute(sched, block_ids, draft_probs)
+            return self._execute(sched, block_ids, draft_probs, defer, chain)
         finally:
             self.core_share.step_ended()
 
     def _execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
-                 draft_probs: dict[str, torch.Tensor | None] | None) -> RunnerOutput:
+                 draft_probs: dict[str, torch.Tensor | None] | None, defer: bool,
+                 chain: DeferredTokens | None) -> RunnerOutput | DeferredTokens:
         if sched.copy_ops:
             src, dst = zip(*sched.copy_ops)
             self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),
                               torch.tensor(dst, device=self.device))
-        rows = plan_logit_rows(sched.scheduled, sched.num_scheduled_tokens, sched.fork_children)
-        seqs = []
-        for request, num_logits in zip(sched.scheduled, rows.num_logits):
-            start = request.num_computed_tokens
-            end = start + sched.num_scheduled_tokens[request.request_id]
-            seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
-                                     block_ids[request.request_id], num_logits))
+        if sched.chained:  # each request's token in flight (after its known ones), fed on the device
+            assert chain is not None, "a chained step needs the step it follows"
+            rows = LogitRows([1] * len(sched.scheduled), [(r, i) for i, r in enumerate(sched.scheduled)])
+            seqs = [ScheduledSeq([0], r.num_tokens, block_ids[r.request_id]) for r in sched.scheduled]
+            step = self._forward(seqs, chain.chain_input(sched.scheduled))
+        else:
+            rows = plan_logit_rows(sched.scheduled, sched.num_scheduled_tokens, sched.fork_children)
+            seqs = []
+            for request, num_logits in zip(sched.scheduled, rows.num_logits):
+                start = request.num_computed_tokens
+                end = start + sched.num_scheduled_tokens[request.request_id]
+                seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
+                                         block_ids[request.request_id], num_logits))
+            step = self._forward(seqs)
 
         out = RunnerOutput()
-        step = self._forward(seqs)
         if step is None:
             return out
+        if defer and self._takes_greedy_in_order(rows, step.logits.shape[0], int(sched.chained)):
+            greedy = step.greedy if step.greedy is not None else greedy_tokens(step.logits)
+            return self.deferred.start([r for r, _ in rows.sample_rows], greedy)
+        assert not sched.chained, "a chained step samples greedy rows, deferred"
         logits = step.logits
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
@@ -169,12 +184,28 @@ class ModelRunner:
                 out.sampled[request.request_id] = token_ids
         return out
 
-    def _forward(self, seqs: list[ScheduledSeq]) -> StepLogits | None:
+    def _takes_greedy_in_order(self, rows: LogitRows, num_rows: int, num_unseen: int) -> bool:
+        """Whether a step's logits rows are each one request's plain greedy sample, in order
+        (a decode step whose tokens may stay on the device for a while); ``num_unseen``: output
+        tokens each request has that the host does not know yet (1 in a chained step)."""
+        if rows.prompt_rows or rows.verify_requests or len(rows.sample_rows) != num_rows:
+            return False
+        eos = self.eos_token_ids
+        if num_unseen:
+            return all(row == i and takes_argmax_unseen(r.sampling_params, r.num_output_tokens + num_unseen, eos)
+                       for i, (r, row) in enumerate(rows.sample_rows))
+        return all(row == i and takes_argmax(r.sampling_params, r.output_token_ids, eos)
+                   for i, (r, row) in enumerate(rows.sample_rows))
+
+    def _forward(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> StepLogits | None:
         """The step's logits rows (None when it has none): a replayed graph for a decode step
-        that fits one (with its greedy tokens), else the eager forward."""
+        that fits one (with its greedy tokens), else the eager forward. ``input_ids`` (a decode
+        step's, on the device) replace the sequences' tokens."""
         if self.decode_graphs.can_run(seqs):
-            return self.decode_graphs.run(seqs)
+            return self.decode_graphs.run(seqs, input_ids)
         model_input = build_model_input(seqs, self.block_size, self.device)
+        if input_ids is not None:
+            model_input.input_ids = input_ids
         hidden = self.model.forward(model_input.input_ids, model_input.positions,
                                     model_input.attn, self.kv_cache)
         wanted = model_input.logits_indices

@@ -199,9 +199,20 @@ def takes_argmax(p: SamplingParams, output: Sequence[int], eos_token_ids: Sequen
     greedy, no logprobs, and no processor that would change them now (penalties, logit_bias,
     allowed_token_ids, a structured-output constraint, a banned token). A batch of such rows
     needs no metadata (the sampler's result would be ``row_argmax`` of the logits)."""
+    return _plain_argmax(p) and not _banned_token_ids(p, output, eos_token_ids)
+
+
+def takes_argmax_unseen(p: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
+    """``takes_argmax`` for a row whose output holds ``num_output`` tokens that are not known
+    yet (a chained decode step's: the step before samples them on the device). Only where the
+    rule does not read the tokens: no bad words; the stop-token ban reads only their number."""
+    return (_plain_argmax(p) and not p.bad_words_token_ids
+            and (num_output >= p.min_tokens or (not p.stop_token_ids and (p.ignore_eos or not eos_token_ids))))
+
+
+def _plain_argmax(p: SamplingParams) -> bool:
     return (p.is_greedy and p.logprobs is None and not p.has_penalties and not p.logit_bias
-            and p.allowed_token_ids is None and p.structured_outputs is None
-            and not _banned_token_ids(p, output, eos_token_ids))
+            and p.allowed_token_ids is None and p.structured_outputs is None)
 
 
 def _banned_token_ids(p: SamplingParams, output: Sequence[int],

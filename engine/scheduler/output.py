@@ -21,6 +21,10 @@ class SchedulerOutput:
     # Parallel samples (n > 1) forked from a request whose prompt completes this step: the
     # runner samples their first tokens from that request's last logits row.
     fork_children: dict[str, list[Request]] = field(default_factory=dict)
+    # A chained decode step (``chained.py``): scheduled before the step before it was booked, each
+    # request computes the token that step samples for it (fed on the device), at position
+    # ``num_tokens`` (its known tokens are all computed by then).
+    chained: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

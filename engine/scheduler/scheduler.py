@@ -22,6 +22,7 @@ its prompt is computed (``forks.py``); the stop rules are ``stop.py``'s.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig, Role, SchedulerConfig
@@ -30,6 +31,7 @@ from engine.kv_cache.hashing import extend_block_hashes
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiers.protocol import HostTierProtocol, NoHostTier
 from engine.request import Request, RequestStatus
+from engine.scheduler.chained import UnbookedSteps, schedule_chained
 from engine.scheduler.forks import PendingForks
 from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.prefix_loads import PrefixLoads
@@ -61,6 +63,7 @@ class Scheduler:
         self.prefix = PrefixLoads(kv_manager, host_tier if host_tier is not None else NoHostTier(),
                                   block_size, enable_prefix_caching)
         self.stop = StopRules(self.max_model_len, config.role)
+        self.unbooked = UnbookedSteps(kv_manager)  # async scheduling: launched, not booked yet
 
     @property
     def device_counters(self) -> TierCounters:
@@ -171,6 +174,11 @@ class Scheduler:
         if out.is_empty and not out.preempted_ids and self.prefix.wait_for_oldest():
             out = self._schedule_pass()
         return out
+
+    def schedule_chained(self, prev: SchedulerOutput,
+                         can_chain: Callable[[Request], bool]) -> SchedulerOutput | None:
+        """The decode step after ``prev``, before ``prev`` is booked, or None (``chained.py``)."""
+        return schedule_chained(self, prev, can_chain)
 
     def _schedule_pass(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -381,6 +389,7 @@ class Scheduler:
         if status == RequestStatus.FINISHED_PREFILLED:
             self.held[request.request_id] = request
         else:
+            self.unbooked.hold_if_written(request.request_id)
             self.kv_manager.free(request.request_id)
         output = output or RequestOutput.of(request, [])
         output.finished = True

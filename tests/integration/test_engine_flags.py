@@ -37,7 +37,8 @@ FLAGS = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=64_000_000,
                    spec_k=3, spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5,
                    cpu_offload_gb=0.25, kv_cache_dtype="int8",
                    weight_format="fp32",  # not the default (auto); dense bf16 either way here
-                   gpu_memory_utilization=0.5, enforce_eager=True)  # CUDA-only: carried, no effect here
+                   gpu_memory_utilization=0.5, enforce_eager=True,  # CUDA-only: carried, no effect here
+                   async_scheduling="on")  # off with speculation: carried, no effect here
 
 
 TOKEN = "engine-flags-test-token"

@@ -118,6 +118,23 @@ def test_a_padded_bucket_replays_the_eager_step(model, device):
         torch.testing.assert_close(kv_cache, expected_cache, rtol=1e-4, atol=1e-4)
 
 
+def test_input_ids_on_the_device_replace_the_staged_tokens(model, device):
+    # a chained step (async scheduling): its tokens come from the step before, on the device
+    kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=24), device)
+    prompts, tables = [[5, 6, 7, 8, 9], [10, 11]], [[3, 7], [0, 4]]
+    _prefill(model, kv_cache, prompts, tables)
+    graphs = DecodeGraphs(model, kv_cache, max_num_seqs=4, max_model_len=CONFIG.max_model_len,
+                          block_size=BLOCK_SIZE, capture=_capture(device))
+    graphs.capture_all()
+    expected_cache = kv_cache.clone()
+    fed = [ScheduledSeq([0], 5, tables[0]), ScheduledSeq([0], 2, tables[1])]  # placeholders
+    actual, _ = graphs.run(fed, torch.tensor([21, 22], device=device))
+    expected = _eager_decode(model, expected_cache, [ScheduledSeq([21], 5, tables[0]),
+                                                     ScheduledSeq([22], 2, tables[1])])
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_cache, expected_cache, rtol=1e-4, atol=1e-4)
+
+
 def test_what_the_graphs_do_not_take(model, device):
     kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=24), device)
     graphs = DecodeGraphs(model, kv_cache, max_num_seqs=2, max_model_len=CONFIG.max_model_len,

@@ -37,7 +37,7 @@ CHANGED = EngineArgs(block_size=32, num_kv_blocks=48, kv_cache_memory=100_000_00
                      spec_method="ngram", spec_k=3, draft_model="/models/draft.gguf",
                      spec_layers=6, spec_max_batch=8, spec_draft_cost=0.5, cpu_offload_gb=0.25,
                      weight_format="fp32", kv_cache_dtype="int8", gpu_memory_utilization=0.5,
-                     enforce_eager=True)
+                     enforce_eager=True, async_scheduling="off")
 
 
 def _parser(environ: dict[str, str]) -> argparse.ArgumentParser:
@@ -93,7 +93,8 @@ def test_build_applies_every_field():
         scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=256, role=Role.DECODE),
         spec=SpecConfig(method="ngram", k=3, draft_model="/models/draft.gguf", num_layers=6,
                         max_batch=8, draft_cost=0.5),
-        device="cuda", dtype="float16", num_threads=1, weight_format="fp32", enforce_eager=True)
+        device="cuda", dtype="float16", num_threads=1, weight_format="fp32", enforce_eager=True,
+        async_scheduling="off")
     assert EngineArgs(device="cuda").build(MODEL, Role.DECODE) != EngineArgs().build(MODEL, Role.DECODE)
     default = EngineArgs(device="cuda").build(MODEL, Role.DECODE)
     for f in dataclasses.fields(EngineArgs):  # none of them is dropped on the way (on CUDA, where all apply)

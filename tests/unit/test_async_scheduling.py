@@ -1,0 +1,230 @@
+"""Async scheduling (engine/scheduler/chained.py, engine/runner/deferred.py, EngineCore.step):
+a decode step chained behind the one in flight gives exactly the synchronous engine's tokens,
+holds the blocks of requests that end under it until it is booked, and is not chained where the
+host must see the tokens first.
+
+A tiny random-weight model with a word-level tokenizer, so each case runs in well under a
+second on a CPU (the chained path runs there too: ``async_scheduling='on'``); where CUDA is
+present the same cases run again with decode graphs and deferred device-to-host copies (marked
+``gpu``; skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tokenizers
+import torch
+
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from engine.config import ConfigError, EngineConfig, Role
+from engine.core import EngineCore, uses_async_scheduling
+from engine.models.loader import LoadedModel
+from engine.models.tokenizer import Tokenizer
+from engine.request import Request
+from engine.runner.deferred import DeferredSteps
+from tests.unit.test_cuda_graphs import CONFIG, random_weights
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+MAX_STEPS = 400
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[GPU, pytest.mark.gpu])])
+def device(request):
+    """The torch ops on a CPU (the compiled ones take head_dim >= 16), Triton's on CUDA."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PDSERVE_ATTENTION_BACKEND", "torch" if request.param == "cpu" else "triton")
+        yield request.param
+
+
+def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
+    vocab = {f"t{i}": i for i in range(CONFIG.vocab_size)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    config = dataclasses.replace(CONFIG, eos_token_ids=eos_token_ids)
+    return LoadedModel(config, random_weights(config), Tokenizer(backend, eos_token_ids=eos_token_ids))
+
+
+def make_core(loaded: LoadedModel, device: str, mode: str, **args) -> EngineCore:
+    engine_args = EngineArgs(device=device, dtype="float32", block_size=4, num_kv_blocks=args.pop("blocks", 96),
+                             max_num_seqs=8, max_num_batched_tokens=32, cpu_offload_gb=0,
+                             async_scheduling=mode, **args)
+    return EngineCore(engine_args.build(loaded.config, Role.COLOCATED), loaded)
+
+
+def prompt(i: int, length: int) -> list[int]:
+    return [(7 * i + 3 * j + 1) % CONFIG.vocab_size for j in range(length)]
+
+
+def drive(core: EngineCore, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+          actions: dict[int, list[tuple[str, str]]] | None = None) -> dict[str, tuple[list[int], str | None]]:
+    """Step ``core`` to the end: ``arrivals[k]`` are added before step k, ``actions[k]`` are
+    ('abort' | 'finish', id) applied before step k. Returns each sample's tokens and finish
+    reason; the block pool is checked after every step and must be whole at the end."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    actions = actions or {}
+    for k in range(MAX_STEPS):
+        for request_id, ids, params in arrivals.get(k, ()):
+            for sample_id in core.add_request(request_id, ids, params):
+                tokens[sample_id], reasons[sample_id] = [], None
+        for action, request_id in actions.get(k, ()):
+            outs = core.abort_request(request_id) if action == "abort" else [core.finish_request(request_id)]
+            for out in outs:
+                if out is not None:
+                    reasons[out.request_id] = out.finish_reason
+        if k > max(arrivals) and not core.has_unfinished_requests():
+            break
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        core.check_integrity()
+    assert not core.has_unfinished_requests()
+    assert core.block_pool.num_free_blocks == core.runner.num_blocks  # nothing leaked or still held
+    return {i: (tokens[i], reasons[i]) for i in tokens}
+
+
+def workload(stop_token: int | None) -> dict[int, list[tuple[str, list[int], SamplingParams]]]:
+    """Greedy requests of 1..21-token prompts and 2..30 new tokens (some end on a stop or EOS
+    token), two of them arriving mid-run, beside a seeded sampled one, one asking for logprobs
+    and one with n=2: those need their tokens on the host, so the chain stops around them."""
+    greedy = [SamplingParams(temperature=0, max_tokens=2 + (5 * i) % 29,
+                             stop_token_ids=[stop_token] if i % 3 == 0 and stop_token is not None else [])
+              for i in range(8)]
+    first = [(f"g{i}", prompt(i, 1 + (3 * i) % 21), greedy[i]) for i in range(6)]
+    later = [(f"g{i}", prompt(i, 1 + (3 * i) % 21), greedy[i]) for i in (6, 7)]
+    others = [("seeded", prompt(20, 6), SamplingParams(temperature=0.9, seed=5, max_tokens=9)),
+              ("logprobs", prompt(21, 5), SamplingParams(temperature=0, max_tokens=7, logprobs=2)),
+              ("n2", prompt(22, 9), SamplingParams(temperature=0.7, seed=1, n=2, max_tokens=6))]
+    return {0: first, 12: later, 30: others}
+
+
+def reference_stream(device: str) -> list[int]:
+    loaded = tiny_model()
+    core = make_core(loaded, device, "off")
+    out = drive(core, {0: [("r", prompt(0, 5), SamplingParams(temperature=0, max_tokens=12))]})
+    return out["r"][0]
+
+
+def test_chained_steps_give_the_synchronous_tokens(device):
+    plain = drive(make_core(tiny_model(), device, "off"), workload(None))
+    stop_token, eos = plain["g3"][0][2], plain["g5"][0][3]  # tokens the greedy streams produce
+    loaded = tiny_model(eos_token_ids=(eos,))
+    off = drive(make_core(loaded, device, "off"), workload(stop_token))
+    core = make_core(loaded, device, "on")
+    on = drive(core, workload(stop_token))
+    assert on == off
+    assert core.num_chained_steps >= 10  # the greedy stretches did run chained
+    reasons = {reason for _, reason in off.values()}
+    assert {"stop", "length"} <= reasons
+
+
+def test_the_synchronous_engine_chains_nothing(device):
+    core = make_core(tiny_model(), device, "off")
+    drive(core, {0: [("a", prompt(1, 3), SamplingParams(temperature=0, max_tokens=20))]})
+    assert core.num_chained_steps == 0
+
+
+def test_aborted_and_stopped_requests_give_their_blocks_back_after_the_chained_step(device):
+    loaded = tiny_model()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    arrivals = {0: [(name, prompt(i, 6), params) for i, name in enumerate("abc")]}
+    sync = drive(make_core(loaded, device, "off"), arrivals)
+
+    core = make_core(loaded, device, "on")
+    for request_id, ids, p in arrivals[0]:
+        core.add_request(request_id, ids, p)
+    tokens = {name: [] for name in "abc"}
+    while core._in_flight is None:  # the prompt step, then the first decode step chains
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+    free_before = core.block_pool.num_free_blocks
+    held = core.kv_manager.get_block_ids("a") + core.kv_manager.get_block_ids("b")
+    core.abort_request("a")
+    assert core.finish_request("b").finish_reason == "stop"  # a stop string matched, say
+    # the chained step still writes their KV: their blocks stay out of the free pool
+    assert core.block_pool.num_free_blocks == free_before
+    core.check_integrity()
+    outs = core.step()
+    assert {o.request_id for o in outs} == {"c"}  # the tokens computed for a and b are dropped
+    tokens["c"] += outs[0].new_token_ids
+    assert core.block_pool.num_free_blocks >= free_before + len(set(held))
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+        core.check_integrity()
+    assert tokens["c"] == sync["c"][0]
+    assert core.block_pool.num_free_blocks == core.runner.num_blocks
+
+
+def test_a_request_queued_mid_chain_is_admitted_at_the_next_step(device):
+    core = make_core(tiny_model(), device, "on")
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    core.add_request("long", prompt(1, 4), long)
+    while core._in_flight is None:
+        core.step()
+    core.add_request("late", prompt(2, 4), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    core.step()  # books the chained step and, with a request to admit, chains nothing
+    assert core._in_flight is None
+    core.step()  # a synchronous schedule: the late request's prompt
+    assert "late" not in [r.request_id for r in core.scheduler.waiting]
+
+
+def test_a_pool_too_small_for_the_chained_step_falls_back_to_the_synchronous_schedule(device):
+    loaded = tiny_model()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", prompt(i, 7), params) for i in range(4)]}
+    # 16 blocks of 4 tokens: the four requests need up to 31 tokens each, so some are
+    # preempted (by the synchronous schedules only) and recomputed
+    off_core = make_core(loaded, device, "off", blocks=16)
+    off = drive(off_core, arrivals)
+    on_core = make_core(loaded, device, "on", blocks=16)
+    on = drive(on_core, arrivals)
+    assert on == off
+    assert on_core.scheduler.num_preemptions > 0 and on_core.num_chained_steps > 0
+
+
+def test_llm_stop_strings_and_streams_match(device):
+    loaded = tiny_model()
+    stream = reference_stream(device)
+    stop = f"t{stream[5]}"
+    params = [SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=16, stop=[stop], include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=11)]
+    prompts = [prompt(0, 5), prompt(3, 8), prompt(4, 2)]
+    results = {}
+    for mode in ("off", "on"):
+        llm = LLM(loaded, device=device, dtype="float32", block_size=4, num_kv_blocks=64, max_num_seqs=8,
+                  cpu_offload_gb=0, async_scheduling=mode)
+        results[mode] = [(o.token_ids, o.text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.engine.block_pool.num_free_blocks == llm.engine.runner.num_blocks
+    assert results["on"] == results["off"]
+    assert results["off"][0][2] == "stop"
+
+
+def test_deferred_tokens_feed_the_next_step_and_name_a_row_without_a_maximum(device):
+    requests = [Request(f"r{i}", [1], SamplingParams(temperature=0)) for i in range(3)]
+    steps = DeferredSteps(4, torch.device(device))
+    deferred = steps.start(requests, torch.tensor([5, -1, 7], device=device))
+    assert deferred.chain_input(requests).tolist() == [5, 0, 7]  # -1 reads as a valid id
+    assert deferred.chain_input([requests[0], requests[2]]).tolist() == [5, 7]
+    with pytest.raises(ValueError, match="request r1: the model's logits have no finite maximum"):
+        deferred.output()
+    fine = steps.start(requests[:2], torch.tensor([3, 4], device=device))
+    assert fine.output().sampled == {"r0": [3], "r1": [4]}
+
+
+def test_auto_is_on_for_cuda_decode_engines_without_speculation():
+    def config(device: str, mode: str = "auto", role: Role = Role.COLOCATED, spec: str | None = None) -> EngineConfig:
+        args = EngineArgs(device=device, async_scheduling=mode, spec_method=spec)
+        return args.build(CONFIG, role)
+
+    assert uses_async_scheduling(config("cuda")) and uses_async_scheduling(config("cuda", role=Role.DECODE))
+    assert not uses_async_scheduling(config("cpu"))
+    assert uses_async_scheduling(config("cpu", "on")) and not uses_async_scheduling(config("cuda", "off"))
+    assert not uses_async_scheduling(config("cuda", role=Role.PREFILL))
+    assert not uses_async_scheduling(config("cuda", "on", spec="ngram"))
+    with pytest.raises(ConfigError, match="async_scheduling must be auto|on|off, got 'yes'"):
+        config("cuda", "yes")
