@@ -20,7 +20,7 @@ from engine.request import Request, RequestStatus
 from engine.runner.deferred import DeferredTokens
 from engine.runner.model_runner import ModelRunner
 from engine.runner.output import RunnerOutput
-from engine.sampling.metadata import takes_argmax_unseen
+from engine.sampling.metadata import samples_blind
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
@@ -142,7 +142,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule -> execute -> update. Returns each touched request's new tokens.
 
-        With async scheduling, a decode step of plain greedy rows is followed on the device by
+        With async scheduling, a decode step whose rows are sampled on the device from the logits
+        alone (greedy or random, no logprobs, penalties or grammar) is followed on the device by
         the next decode step, chained before this one is booked (``engine/scheduler/chained.py``):
         ``step`` then returns this step's tokens while the next one runs, and the next call books
         that one (and chains another) instead of scheduling afresh."""
@@ -175,7 +176,7 @@ class EngineCore:
 
     def _launch(self, sched: SchedulerOutput, defer: bool, chain: DeferredTokens | None = None) -> _Launched:
         """The forward (with the drafts' verification) over the scheduled requests' blocks;
-        with ``defer``, a plain greedy decode step's tokens may still be on their way
+        with ``defer``, the tokens of a step sampled on the device may still be on their way
         (``ModelRunner.launch``). A step of at least a block's worth of tokens is
         prefill-dominated: its rate feeds the recompute estimate of the host tier's load
         decisions."""
@@ -189,8 +190,8 @@ class EngineCore:
         return _Launched(sched, result)
 
     def _can_chain(self, request: Request) -> bool:
-        return takes_argmax_unseen(request.sampling_params, request.num_output_tokens + 1,
-                                   self.model_config.eos_token_ids)
+        return samples_blind(request.sampling_params, request.num_output_tokens + 1,
+                             self.model_config.eos_token_ids)
 
     def _schedule(self) -> SchedulerOutput:
         """Drafts are proposed first (the schedule counts them in the token budget); the host

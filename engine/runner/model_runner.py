@@ -29,7 +29,7 @@ from engine.runner.memory import gpu_kv_blocks
 from engine.runner.output import RunnerOutput
 from engine.runner.warmup import warm_up
 from engine.sampling.logprobs import compute_prompt_logprobs
-from engine.sampling.metadata import SamplingMetadata, takes_argmax, takes_argmax_unseen
+from engine.sampling.metadata import SamplingMetadata, samples_blind, takes_argmax
 from engine.sampling.sampler import Sampler, argmax_rows, greedy_tokens, tokens_or_none
 from engine.scheduler.output import SchedulerOutput
 from engine.spec_decode.verify import verify_drafts
@@ -128,8 +128,9 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
                draft_probs: dict[str, torch.Tensor | None] | None = None, defer: bool = False,
                chain: DeferredTokens | None = None) -> RunnerOutput | DeferredTokens:
-        """``execute``, but with ``defer`` a decode step of plain greedy rows returns its tokens
-        still on their way to the host (``deferred.py``) instead of waiting for them. ``chain``:
+        """``execute``, but with ``defer`` a step whose rows are sampled blind (``samples_blind``)
+        returns its tokens still on their way to the host (``deferred.py``) instead of waiting for
+        them. ``chain``:
         the step before a chained one (``sched.chained``), whose tokens are its input ids."""
         if self.core_share is None:
             return self._execute(sched, block_ids, draft_probs, defer, chain)
@@ -164,10 +165,10 @@ class ModelRunner:
         out = RunnerOutput()
         if step is None:
             return out
-        if defer and self._takes_greedy_in_order(rows, step.logits.shape[0], int(sched.chained)):
-            greedy = step.greedy if step.greedy is not None else greedy_tokens(step.logits)
-            return self.deferred.start([r for r, _ in rows.sample_rows], greedy)
-        assert not sched.chained, "a chained step samples greedy rows, deferred"
+        if defer and self._samples_blind(rows, step.logits.shape[0], int(sched.chained)):
+            requests = [r for r, _ in rows.sample_rows]
+            return self.deferred.start(requests, self._blind_tokens(step, requests, int(sched.chained)))
+        assert not sched.chained, "a chained step's rows are sampled blind, deferred"
         logits = step.logits
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
@@ -184,18 +185,30 @@ class ModelRunner:
                 out.sampled[request.request_id] = token_ids
         return out
 
-    def _takes_greedy_in_order(self, rows: LogitRows, num_rows: int, num_unseen: int) -> bool:
-        """Whether a step's logits rows are each one request's plain greedy sample, in order
-        (a decode step whose tokens may stay on the device for a while); ``num_unseen``: output
-        tokens each request has that the host does not know yet (1 in a chained step)."""
+    def _samples_blind(self, rows: LogitRows, num_rows: int, num_unseen: int) -> bool:
+        """Whether each of a step's logits rows is one request's sample, in order, drawn on the
+        device from the logits alone (``samples_blind``): a step whose tokens may stay on the
+        device for a while. ``num_unseen``: output tokens each request has that the host does
+        not know yet (1 in a chained step)."""
         if rows.prompt_rows or rows.verify_requests or len(rows.sample_rows) != num_rows:
             return False
         eos = self.eos_token_ids
-        if num_unseen:
-            return all(row == i and takes_argmax_unseen(r.sampling_params, r.num_output_tokens + num_unseen, eos)
-                       for i, (r, row) in enumerate(rows.sample_rows))
-        return all(row == i and takes_argmax(r.sampling_params, r.output_token_ids, eos)
+        return all(row == i and samples_blind(r.sampling_params, r.num_output_tokens + num_unseen, eos)
                    for i, (r, row) in enumerate(rows.sample_rows))
+
+    def _blind_tokens(self, step: StepLogits, requests: list[Request], num_unseen: int) -> torch.Tensor:
+        """The tokens of ``_samples_blind`` rows on the device (-1: no finite maximum): a greedy
+        batch's argmax (the decode graph's own), else the sampler's draw, with each seeded row's
+        generator keyed by its output position as ``_sample`` keys it."""
+        if all(r.sampling_params.is_greedy for r in requests):
+            return step.greedy if step.greedy is not None else greedy_tokens(step.logits)
+        metadata = SamplingMetadata.from_requests(
+            [r.sampling_params for r in requests],
+            [range(r.num_output_tokens + num_unseen) for r in requests],  # only their number is read
+            [r.prompt_token_ids for r in requests], [r.generator for r in requests],
+            self.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
+            request_ids=[r.request_id for r in requests])
+        return self.sampler.sample_blind(step.logits, metadata)
 
     def _forward(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> StepLogits | None:
         """The step's logits rows (None when it has none): a replayed graph for a decode step

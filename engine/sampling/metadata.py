@@ -202,11 +202,14 @@ def takes_argmax(p: SamplingParams, output: Sequence[int], eos_token_ids: Sequen
     return _plain_argmax(p) and not _banned_token_ids(p, output, eos_token_ids)
 
 
-def takes_argmax_unseen(p: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
-    """``takes_argmax`` for a row whose output holds ``num_output`` tokens that are not known
-    yet (a chained decode step's: the step before samples them on the device). Only where the
-    rule does not read the tokens: no bad words; the stop-token ban reads only their number."""
-    return (_plain_argmax(p) and not p.bad_words_token_ids
+def samples_blind(p: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
+    """Whether a row with ``num_output`` output tokens is sampled from its logits alone, on the
+    device, without reading those tokens (a chained decode step's row: the step before samples
+    its last one) and without a check that needs the host: greedy or random (temperature,
+    top-k/p, min-p, a seed: the seeded generator reads only their number), and no logprobs,
+    penalties, logit bias, allowed tokens, bad words, grammar or banned stop token."""
+    return (p.logprobs is None and not p.has_penalties and not p.logit_bias and p.allowed_token_ids is None
+            and p.structured_outputs is None and not p.bad_words_token_ids
             and (num_output >= p.min_tokens or (not p.stop_token_ids and (p.ignore_eos or not eos_token_ids))))
 
 

@@ -24,15 +24,17 @@ from engine.structured.bitmask import apply_token_bitmask
 NEG_INF = float("-inf")
 
 
-def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Apply every processor to ``logits`` [B, V] fp32 in place; returns it."""
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata, check: bool = True) -> torch.Tensor:
+    """Apply every processor to ``logits`` [B, V] fp32 in place; returns it. ``check=False``
+    skips the support check (it reads the logits on the host): the caller checks the rows."""
     m = metadata
     if m.penalties is not None:
         pen = m.penalties
         apply_penalties(logits, pen.prompt_mask, pen.output_counts, pen.repetition, pen.presence,
                         pen.frequency)
     apply_masks(logits, m)
-    check_support(logits, m)
+    if check:
+        check_support(logits, m)
     if not m.all_greedy:
         apply_temperature(logits, m.temperature)
     if m.top_k is not None:

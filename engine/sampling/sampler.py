@@ -51,6 +51,20 @@ class Sampler:
             logprobs = _logprobs(logits, processed, sampled, metadata)
         return SamplerOutput(sampled, logprobs)
 
+    def sample_blind(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The tokens ``__call__`` samples, without logprobs and without reading anything on the
+        host: [B] int64 on the device, -1 for a row with no finite maximum (where ``__call__``
+        raises). For rows of ``metadata.samples_blind`` (their masks are the model's alone)."""
+        processed = process_logits(_working_copy(logits, metadata), metadata, check=False)
+        if metadata.all_greedy:
+            sampled = row_argmax(processed)
+        else:
+            sampled = sample_from_probs(processed.softmax(dim=-1), metadata, self.generator)
+            if not metadata.all_random:
+                sampled = torch.where(metadata.is_greedy, row_argmax(processed), sampled)
+        # temperature and truncation keep a finite maximum finite, and an infinite one infinite
+        return torch.where(torch.isfinite(processed.amax(dim=-1)), sampled, -1)
+
     def compute_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         return compute_probs(logits, metadata)
 

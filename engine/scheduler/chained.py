@@ -11,7 +11,7 @@ the next one runs: the host's scheduling, booking and output work overlaps the d
 Step n+1 computes, for each request of step n, the token step n samples for it: the position
 after its known tokens, ``num_tokens`` (step n computed all of them: a decode token, or a
 prompt's last chunk). It is chained only when no other work waits for a synchronous schedule and
-every token it samples can be computed without the host knowing step n's (``takes_argmax_unseen``):
+every token it samples can be drawn without the host knowing step n's (``samples_blind``):
 
 - every running request was in step n and sampled there (none left out of the batch, no prompt
   chunk short of its end), none is chained that step

@@ -24,6 +24,8 @@ from engine.models.loader import LoadedModel
 from engine.models.tokenizer import Tokenizer
 from engine.request import Request
 from engine.runner.deferred import DeferredSteps
+from engine.sampling.metadata import SamplingMetadata, samples_blind
+from engine.sampling.sampler import Sampler
 from tests.unit.test_cuda_graphs import CONFIG, random_weights
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -119,6 +121,48 @@ def test_chained_steps_give_the_synchronous_tokens(device):
     assert core.num_chained_steps >= 10  # the greedy stretches did run chained
     reasons = {reason for _, reason in off.values()}
     assert {"stop", "length"} <= reasons
+
+
+def test_seeded_sampling_chains_and_draws_the_synchronous_tokens(device):
+    loaded = tiny_model()
+    arrivals = {0: [(f"s{i}", prompt(i, 3 + i), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i,
+                                                               max_tokens=8 + 3 * i, ignore_eos=True))
+                    for i in range(5)]}
+    off = drive(make_core(loaded, device, "off"), arrivals)
+    core = make_core(loaded, device, "on")
+    assert drive(core, arrivals) == off
+    assert core.num_chained_steps >= 10
+
+
+def test_what_is_sampled_blind():
+    def blind(num_output: int = 3, eos: tuple[int, ...] = (2,), **kwargs) -> bool:
+        return samples_blind(SamplingParams(**kwargs), num_output, eos)
+
+    assert blind(temperature=0) and blind(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3)
+    assert not blind(temperature=0, logprobs=1) and not blind(temperature=0.7, presence_penalty=0.5)
+    assert not blind(logit_bias={4: 1.0}) and not blind(allowed_token_ids=[1, 2])
+    assert not blind(bad_words_token_ids=[[5]])
+    # min_tokens bans EOS and the stop tokens until then: the rule reads the number only
+    assert not blind(num_output=1, min_tokens=2) and blind(num_output=2, min_tokens=2)
+    assert blind(num_output=1, min_tokens=2, ignore_eos=True) and blind(num_output=1, eos=(), min_tokens=2)
+    assert not blind(num_output=1, min_tokens=2, ignore_eos=True, stop_token_ids=[7])
+
+
+def test_the_blind_draw_is_the_samplers_and_marks_rows_without_a_maximum(device):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(device)
+    logits[2] = float("nan")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=11),
+              SamplingParams(temperature=0.5, seed=12), SamplingParams(temperature=1.2, top_k=7, seed=13)]
+
+    def metadata():
+        return SamplingMetadata.from_requests(params, [range(4)] * 4, [[1]] * 4, None, 50, device)
+
+    blind = Sampler().sample_blind(logits, metadata()).tolist()
+    assert blind[2] == -1
+    fine = [0, 1, 3]
+    expected = Sampler()(logits[fine], SamplingMetadata.from_requests(
+        [params[i] for i in fine], [range(4)] * 3, [[1]] * 3, None, 50, device)).sampled_token_ids.tolist()
+    assert [blind[i] for i in fine] == expected
 
 
 def test_the_synchronous_engine_chains_nothing(device):
