@@ -66,23 +66,26 @@ def bytes_as_tensor(data: bytes) -> torch.Tensor:
 
 
 def write_packed_range(kv_cache: torch.Tensor, dst_block_ids: Sequence[int], offset: int,
-                       data: bytes) -> None:
+                       data: bytes | torch.Tensor) -> None:
     """Write bytes ``[offset, offset + len(data))`` of a packed payload into ``kv_cache``.
 
     Whole blocks inside the range go in with one scatter
     (``cache[dst_ids] = chunk.view(n, block_bytes)``); a partial block at either end is
     sliced. The caller has checked that the ids are valid and the range is inside
-    ``len(dst_block_ids) * block_bytes``.
+    ``len(dst_block_ids) * block_bytes``. ``data`` may be a CPU ``uint8`` tensor: pinned, it
+    goes to a CUDA cache without blocking, on the current stream.
     """
-    if not data:
+    if not len(data):
         return
     rows = _block_rows(kv_cache)
     if isinstance(rows, np.ndarray):
-        _write_range(rows, np.frombuffer(data, dtype=np.uint8), dst_block_ids, offset, list)
+        src = data.numpy() if isinstance(data, torch.Tensor) else np.frombuffer(data, dtype=np.uint8)
+        _write_range(rows, src, dst_block_ids, offset, list)
     else:
         def index(ids: list[int]) -> torch.Tensor:
             return torch.tensor(ids, dtype=torch.long, device=rows.device)
-        _write_range(rows, bytes_as_tensor(data).to(rows.device), dst_block_ids, offset, index)
+        host = data if isinstance(data, torch.Tensor) else bytes_as_tensor(data)
+        _write_range(rows, host.to(rows.device, non_blocking=host.is_pinned()), dst_block_ids, offset, index)
 
 
 def _write_range(cache: RowsT, src: RowsT, dst_block_ids: Sequence[int], offset: int,

@@ -1,8 +1,9 @@
 """Decode side of the gRPC KV transport: the receiver and ``KVTransferService``'s servicer.
 
 ``PushBlocks`` takes a client stream of a header, then the packed bytes (packing.py) in
-chunks, written straight into the reserved blocks as they arrive; the receiver queues one
-notification per finished push for the decode handler to drain.
+chunks, written straight into the reserved blocks as they arrive, each on a worker thread
+(engine/kv_transfer/ingest.py: on CUDA through pinned staging on a side stream); the receiver
+queues one notification per finished push for the decode handler to drain.
 
 Errors (services/common/errors.py): FailedPrecondition when the peers are incompatible (the
 message names each differing field, both sides' values), InvalidArgument for bad block ids or
@@ -12,18 +13,24 @@ as gRPC reports them.
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import zlib
+import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from engine.kv_transfer.base import KVHandshake, KVNotification, KVReceiver, KVTransferError
-from engine.kv_transfer.packing import write_packed_range
+from engine.kv_transfer.ingest import ChunkWriter
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument
+from services.common.grpc_server import CHUNK_BYTES
 from services.common.pb import kv_pb2, kv_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.worker.kv_grpc import GrpcEndpoint
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GrpcKVReceiver(GrpcEndpoint, KVReceiver):
@@ -48,6 +55,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
 
     def __init__(self, receiver: GrpcKVReceiver, handshake_source: KVReceiver | None = None) -> None:
         self.receiver = receiver
+        self._chunk_writer: ChunkWriter | None = None
         self.handshake_source = handshake_source or receiver
 
     async def Handshake(self, request: kv_pb2.KVHandshake,
@@ -82,8 +90,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
                 raise InvalidArgument(f"PushBlocks: chunk at offset {chunk.offset} with "
                                       f"{len(chunk.data)} bytes; expected offset {received} and "
                                       f"at most {header.total_bytes} bytes in all")
-            write_packed_range(kv_cache, dst_block_ids, received, chunk.data)
-            crc = zlib.crc32(chunk.data, crc)
+            crc = await self._write(kv_cache, dst_block_ids, received, chunk.data, crc)
             received += len(chunk.data)
         if header is None:
             raise InvalidArgument("PushBlocks: empty stream")
@@ -99,6 +106,23 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
                                              sender=header.sender_agent_name or context.peer()))
         return kv_pb2.PushBlocksAck(request_id=header.request_id, num_blocks=len(dst_block_ids),
                                     num_bytes=received)
+
+
+    async def _write(self, kv_cache: torch.Tensor, dst_block_ids: list[int], offset: int, data: bytes,
+                     crc: int) -> int:
+        """One chunk into the cache on a worker thread, off the event loop that serves every
+        stream of this worker (ingest.py); returns the crc32 so far. A cancelled push still
+        waits for the chunk in flight: its blocks are released only after the last write."""
+        if self._chunk_writer is None or self._chunk_writer.kv_cache is not kv_cache:
+            self._chunk_writer = ChunkWriter(kv_cache, CHUNK_BYTES)
+        written = asyncio.get_running_loop().run_in_executor(
+            None, self._chunk_writer.write, dst_block_ids, offset, data, crc)
+        try:
+            return await asyncio.shield(written)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await written
+            raise
 
 
 def check_header(header: kv_pb2.PushBlocksHeader, local: KVHandshake) -> None:
