@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
@@ -27,6 +28,8 @@ from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import build_spec_decoder
 from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
 from engine.structured.compiler import ConstraintCompiler
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -58,6 +61,8 @@ class EngineCore:
                                    config.cache.block_size, config.cache.enable_prefix_caching,
                                    self.host_tier)
         self.async_scheduling = uses_async_scheduling(config)
+        log.info("async scheduling %s (--async-scheduling %s)", "on" if self.async_scheduling else "off",
+                 config.async_scheduling)
         self._in_flight: _Launched | None = None  # a chained step launched and not booked
         self.num_chained_steps = 0
 

@@ -19,7 +19,7 @@ elapsed() { echo "elapsed $(( $(date +%s) - start )) s"; }
 if [ "${KERNEL_TESTS:-1}" = 1 ]; then
   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
   timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider $workers --durations=10 -rs \
-    ${TESTS:-tests/kernels tests/unit/test_cuda_graphs.py tests/unit/test_gpu_memory.py} \
+    ${TESTS:-tests/kernels tests/unit/test_cuda_graphs.py tests/unit/test_gpu_memory.py tests/unit/test_async_scheduling.py tests/unit/test_kv_ingest.py} \
     -k "not cpu_ and not calibration" > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" >> "$OUT/pytest.txt"
   tail -25 "$OUT/pytest.txt"; elapsed
