@@ -49,9 +49,9 @@ def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
 
 
 def make_core(loaded: LoadedModel, device: str, mode: str, **args) -> EngineCore:
+    args = {"cpu_offload_gb": 0, **args}
     engine_args = EngineArgs(device=device, dtype="float32", block_size=4, num_kv_blocks=args.pop("blocks", 96),
-                             max_num_seqs=8, max_num_batched_tokens=32, cpu_offload_gb=0,
-                             async_scheduling=mode, **args)
+                             max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=mode, **args)
     return EngineCore(engine_args.build(loaded.config, Role.COLOCATED), loaded)
 
 
@@ -228,6 +228,29 @@ def test_a_pool_too_small_for_the_chained_step_falls_back_to_the_synchronous_sch
     on = drive(on_core, arrivals)
     assert on == off
     assert on_core.scheduler.num_preemptions > 0 and on_core.num_chained_steps > 0
+
+
+def test_chains_beside_the_host_tier_give_the_synchronous_tokens(device):
+    # a device pool of 20 blocks under requests cycling through six 12-token prefixes, arriving
+    # while others decode: cached prefixes are evicted to the host tier and loaded back while
+    # steps chain
+    loaded = tiny_model()
+    prefixes = [prompt(30 + p, 12) for p in range(6)]
+    arrivals = {k: [(f"r{k}", prefixes[k // 3 % 6] + prompt(k, 2 + k % 4),
+                     SamplingParams(temperature=0, max_tokens=6 + k % 5, ignore_eos=True))]
+                for k in range(0, 54, 3)}
+    def tiered(mode: str) -> EngineCore:
+        core = make_core(loaded, device, mode, blocks=20, cpu_offload_gb=0.001)
+        # this model's prefill is so fast that the cost model would always recompute: load
+        core.host_tier.cost.should_load = lambda num_blocks: num_blocks > 0
+        return core
+
+    off = drive(tiered("off"), arrivals)
+    core = tiered("on")
+    assert drive(core, arrivals) == off
+    device_tier, host_tier = core.stats().tiers
+    assert core.num_chained_steps > 0 and device_tier.num_evicted_blocks > 0
+    assert host_tier.num_hit_blocks > 0 and host_tier.num_loaded_bytes > 0, host_tier
 
 
 def test_llm_stop_strings_and_streams_match(device):
