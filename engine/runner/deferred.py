@@ -1,4 +1,4 @@
-"""A decode step's greedy tokens while the device computes them (async scheduling).
+"""A step's sampled tokens while the device computes them (async scheduling).
 
 ``DeferredSteps.start`` queues the copy of a step's tokens to the host behind the step, with no
 wait; ``DeferredTokens.output`` waits for that copy alone. Meanwhile ``chain_input`` hands the
@@ -16,8 +16,9 @@ from engine.runner.output import RunnerOutput
 
 
 class DeferredTokens:
-    """One decode step's tokens: row i is ``requests[i]``'s, -1 where its logits had no finite
-    maximum (``output`` then raises, as the synchronous sampler does)."""
+    """One step's sampled tokens (greedy or drawn, ``ModelRunner._blind_tokens``): row i is
+    ``requests[i]``'s, -1 where its logits had no finite maximum (``output`` then raises, as the
+    synchronous sampler does)."""
 
     __slots__ = ("requests", "tokens", "_host", "_ready")
 

@@ -130,8 +130,8 @@ class ModelRunner:
                chain: DeferredTokens | None = None) -> RunnerOutput | DeferredTokens:
         """``execute``, but with ``defer`` a step whose rows are sampled blind (``samples_blind``)
         returns its tokens still on their way to the host (``deferred.py``) instead of waiting for
-        them. ``chain``:
-        the step before a chained one (``sched.chained``), whose tokens are its input ids."""
+        them. ``chain``: the step before a chained one (``sched.chained``), whose tokens are its
+        input ids."""
         if self.core_share is None:
             return self._execute(sched, block_ids, draft_probs, defer, chain)
         self.core_share.step_started()

@@ -1,6 +1,6 @@
 """Chained decode steps: the next decode step scheduled before this one's tokens are booked.
 
-A decode step's tokens reach the host only when the device has finished it. With async
+A step's sampled tokens reach the host only when the device has finished it. With async
 scheduling (``engine/core.py``) the engine schedules and launches the next decode step first,
 its input tokens fed on the device from the step in flight, and books the step in flight while
 the next one runs: the host's scheduling, booking and output work overlaps the device's::
@@ -14,9 +14,9 @@ prompt's last chunk). It is chained only when no other work waits for a synchron
 every token it samples can be drawn without the host knowing step n's (``samples_blind``):
 
 - every running request was in step n and sampled there (none left out of the batch, no prompt
-  chunk short of its end), none is chained that step
-  n surely ends (``max_tokens``, the context length), and no queued request could be admitted,
-  no prefix load is in flight and no parallel sample waits to fork;
+  chunk short of its end); none is chained that step n surely ends (``max_tokens``, the context
+  length); no queued request could be admitted, no prefix load is in flight and no parallel
+  sample waits to fork;
 - there are blocks for every chained request (nothing is preempted; all or none allocate).
 
 A request that step n ends anyway (EOS, a stop token or string, an abort) had one token computed
