@@ -176,6 +176,7 @@ class EngineCore:
         result = launched.result
         if isinstance(result, DeferredTokens):
             result = result.output()
+            self._observe_prefill(launched.sched, launched.started)  # launch to tokens on the host
         self.scheduler.unbooked.booking()
         return self._update(launched.sched, result)
 
@@ -187,12 +188,16 @@ class EngineCore:
         decisions."""
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
         draft_probs = self.spec.fill(sched, block_ids)
-        start = time.perf_counter()
+        started = time.perf_counter()
         result = self.runner.launch(sched, block_ids, draft_probs, defer, chain)
+        if isinstance(result, RunnerOutput):
+            self._observe_prefill(sched, started)
+        return _Launched(sched, result, started)
+
+    def _observe_prefill(self, sched: SchedulerOutput, started: float) -> None:
         num_tokens = sched.total_num_scheduled_tokens
-        if num_tokens >= self.config.cache.block_size and isinstance(result, RunnerOutput):
-            self.host_tier.observe_prefill(num_tokens, time.perf_counter() - start)
-        return _Launched(sched, result)
+        if num_tokens >= self.config.cache.block_size and not sched.chained:
+            self.host_tier.observe_prefill(num_tokens, time.perf_counter() - started)
 
     def _can_chain(self, request: Request) -> bool:
         return samples_blind(request.sampling_params, request.num_output_tokens + 1,
@@ -353,6 +358,7 @@ class EngineCore:
 class _Launched:
     sched: SchedulerOutput
     result: RunnerOutput | DeferredTokens
+    started: float  # perf_counter at launch
 
 
 def uses_async_scheduling(config: EngineConfig) -> bool:

@@ -253,6 +253,13 @@ def test_chains_beside_the_host_tier_give_the_synchronous_tokens(device):
     assert host_tier.num_hit_blocks > 0 and host_tier.num_loaded_bytes > 0, host_tier
 
 
+def test_a_deferred_prompt_step_still_feeds_the_host_tiers_prefill_rate(device):
+    core = make_core(tiny_model(), device, "on", cpu_offload_gb=0.001)
+    before = core.host_tier.cost.prefill_tok_s
+    drive(core, {0: [("p", prompt(1, 30), SamplingParams(temperature=0, max_tokens=2))]})
+    assert core.host_tier.cost.prefill_tok_s != before  # its tokens came back deferred
+
+
 def test_llm_stop_strings_and_streams_match(device):
     loaded = tiny_model()
     stream = reference_stream(device)
