@@ -65,6 +65,7 @@ class EngineCore:
                  config.async_scheduling)
         self._in_flight: _Launched | None = None  # a chained step launched and not booked
         self.num_chained_steps = 0
+        self.num_chained_admissions = 0  # queued requests with landed KV that joined one
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:
@@ -167,12 +168,13 @@ class EngineCore:
             self.scheduler.unbooked.launched(sched)
             launched = self._launch(sched, defer=True)
         if isinstance(launched.result, DeferredTokens):
-            chained = self.scheduler.schedule_chained(launched.sched, self._can_chain)
+            chained = self.scheduler.schedule_chained(launched.sched, self._samples_blind)
             if chained is not None:
                 self.host_tier.flush()
                 self.scheduler.unbooked.launched(chained)
                 self._in_flight = self._launch(chained, defer=True, chain=launched.result)
                 self.num_chained_steps += 1
+                self.num_chained_admissions += len(chained.scheduled) - chained.num_fed
         result = launched.result
         if isinstance(result, DeferredTokens):
             result = result.output()
@@ -196,11 +198,11 @@ class EngineCore:
 
     def _observe_prefill(self, sched: SchedulerOutput, started: float) -> None:
         num_tokens = sched.total_num_scheduled_tokens
-        if num_tokens >= self.config.cache.block_size and not sched.chained:
+        if num_tokens >= self.config.cache.block_size and not sched.num_fed:
             self.host_tier.observe_prefill(num_tokens, time.perf_counter() - started)
 
-    def _can_chain(self, request: Request) -> bool:
-        return samples_blind(request.sampling_params, request.num_output_tokens + 1,
+    def _samples_blind(self, request: Request, num_unseen: int) -> bool:
+        return samples_blind(request.sampling_params, request.num_output_tokens + num_unseen,
                              self.model_config.eos_token_ids)
 
     def _schedule(self) -> SchedulerOutput:

@@ -109,7 +109,7 @@ class DecodeBuffers:
     def write(self, seqs: Sequence[ScheduledSeq], bucket: int, input_ids: torch.Tensor | None = None) -> None:
         """Stage one decode token per sequence and pad up to ``bucket`` rows; ValueError if a
         block table is too short or the step does not fit the buffers. ``input_ids`` (on the
-        device, one per sequence) replace the sequences' tokens."""
+        device) replace the first sequences' tokens."""
         n, bs = len(seqs), self.block_size
         if not n <= bucket <= self.max_seqs:
             raise ValueError(f"{n} sequences in a bucket of {bucket}: at most {self.max_seqs}")
@@ -133,7 +133,7 @@ class DecodeBuffers:
         if self._staged is not None:
             self._staged.record()
         if input_ids is not None:
-            self._input_ids[1][:n].copy_(input_ids)
+            self._input_ids[1][:len(input_ids)].copy_(input_ids)
 
     def inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, attention metadata): views of the first ``bucket`` rows."""

@@ -130,8 +130,8 @@ class ModelRunner:
                chain: DeferredTokens | None = None) -> RunnerOutput | DeferredTokens:
         """``execute``, but with ``defer`` a step whose rows are sampled blind (``samples_blind``)
         returns its tokens still on their way to the host (``deferred.py``) instead of waiting for
-        them. ``chain``: the step before a chained one (``sched.chained``), whose tokens are its
-        input ids."""
+        them. ``chain``: the step before a chained one (``sched.num_fed``), whose tokens are the
+        first ``num_fed`` input ids."""
         if self.core_share is None:
             return self._execute(sched, block_ids, draft_probs, defer, chain)
         self.core_share.step_started()
@@ -147,11 +147,14 @@ class ModelRunner:
             src, dst = zip(*sched.copy_ops)
             self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),
                               torch.tensor(dst, device=self.device))
-        if sched.chained:  # each request's token in flight (after its known ones), fed on the device
+        if sched.num_fed:  # the fed requests' tokens in flight (after their known ones), then known ones
             assert chain is not None, "a chained step needs the step it follows"
+            fed, known = sched.scheduled[:sched.num_fed], sched.scheduled[sched.num_fed:]
             rows = LogitRows([1] * len(sched.scheduled), [(r, i) for i, r in enumerate(sched.scheduled)])
-            seqs = [ScheduledSeq([0], r.num_tokens, block_ids[r.request_id]) for r in sched.scheduled]
-            step = self._forward(seqs, chain.chain_input(sched.scheduled))
+            seqs = [ScheduledSeq([0], r.num_tokens, block_ids[r.request_id]) for r in fed]
+            seqs += [ScheduledSeq(r.token_view[r.num_computed_tokens:r.num_tokens], r.num_computed_tokens,
+                                  block_ids[r.request_id]) for r in known]
+            step = self._forward(seqs, chain.chain_input(fed))
         else:
             rows = plan_logit_rows(sched.scheduled, sched.num_scheduled_tokens, sched.fork_children)
             seqs = []
@@ -165,10 +168,10 @@ class ModelRunner:
         out = RunnerOutput()
         if step is None:
             return out
-        if defer and self._samples_blind(rows, step.logits.shape[0], int(sched.chained)):
+        if defer and self._samples_blind(rows, step.logits.shape[0], sched.num_fed):
             requests = [r for r, _ in rows.sample_rows]
-            return self.deferred.start(requests, self._blind_tokens(step, requests, int(sched.chained)))
-        assert not sched.chained, "a chained step's rows are sampled blind, deferred"
+            return self.deferred.start(requests, self._blind_tokens(step, requests, sched.num_fed))
+        assert not sched.num_fed, "a chained step's rows are sampled blind, deferred"
         logits = step.logits
         for request, first, count, start in rows.prompt_rows:
             next_ids = torch.tensor(request.prompt_token_ids[start + 1:start + 1 + count])
@@ -185,18 +188,18 @@ class ModelRunner:
                 out.sampled[request.request_id] = token_ids
         return out
 
-    def _samples_blind(self, rows: LogitRows, num_rows: int, num_unseen: int) -> bool:
+    def _samples_blind(self, rows: LogitRows, num_rows: int, num_fed: int) -> bool:
         """Whether each of a step's logits rows is one request's sample, in order, drawn on the
         device from the logits alone (``samples_blind``): a step whose tokens may stay on the
-        device for a while. ``num_unseen``: output tokens each request has that the host does
-        not know yet (1 in a chained step)."""
+        device for a while. The first ``num_fed`` requests have one output token the host does
+        not know yet (a chained step's)."""
         if rows.prompt_rows or rows.verify_requests or len(rows.sample_rows) != num_rows:
             return False
         eos = self.eos_token_ids
-        return all(row == i and samples_blind(r.sampling_params, r.num_output_tokens + num_unseen, eos)
+        return all(row == i and samples_blind(r.sampling_params, r.num_output_tokens + (i < num_fed), eos)
                    for i, (r, row) in enumerate(rows.sample_rows))
 
-    def _blind_tokens(self, step: StepLogits, requests: list[Request], num_unseen: int) -> torch.Tensor:
+    def _blind_tokens(self, step: StepLogits, requests: list[Request], num_fed: int) -> torch.Tensor:
         """The tokens of ``_samples_blind`` rows on the device (-1: no finite maximum): a greedy
         batch's argmax (the decode graph's own), else the sampler's draw, with each seeded row's
         generator keyed by its output position as ``_sample`` keys it."""
@@ -204,7 +207,7 @@ class ModelRunner:
             return step.greedy if step.greedy is not None else greedy_tokens(step.logits)
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r in requests],
-            [range(r.num_output_tokens + num_unseen) for r in requests],  # only their number is read
+            [range(r.num_output_tokens + (i < num_fed)) for i, r in enumerate(requests)],  # only their number
             [r.prompt_token_ids for r in requests], [r.generator for r in requests],
             self.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
             request_ids=[r.request_id for r in requests])
@@ -212,13 +215,13 @@ class ModelRunner:
 
     def _forward(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> StepLogits | None:
         """The step's logits rows (None when it has none): a replayed graph for a decode step
-        that fits one (with its greedy tokens), else the eager forward. ``input_ids`` (a decode
-        step's, on the device) replace the sequences' tokens."""
+        that fits one (with its greedy tokens), else the eager forward. ``input_ids`` (on the
+        device) replace the first sequences' tokens (a decode step's)."""
         if self.decode_graphs.can_run(seqs):
             return self.decode_graphs.run(seqs, input_ids)
         model_input = build_model_input(seqs, self.block_size, self.device)
         if input_ids is not None:
-            model_input.input_ids = input_ids
+            model_input.input_ids[:len(input_ids)] = input_ids
         hidden = self.model.forward(model_input.input_ids, model_input.positions,
                                     model_input.attn, self.kv_cache)
         wanted = model_input.logits_indices

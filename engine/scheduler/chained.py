@@ -15,9 +15,13 @@ every token it samples can be drawn without the host knowing step n's (``samples
 
 - every running request was in step n and sampled there (none left out of the batch, no prompt
   chunk short of its end); none is chained that step n surely ends (``max_tokens``, the context
-  length); no queued request could be admitted, no prefix load is in flight and no parallel
-  sample waits to fork;
+  length); no queued request that could be admitted needs its prompt computed, no prefix load is
+  in flight and no parallel sample waits to fork;
 - there are blocks for every chained request (nothing is preempted; all or none allocate).
+
+Queued requests whose prompt's KV landed from a prefill worker (DECODE role) compute one known
+token next: they join the chained step after its fed rows, admitted as a synchronous schedule
+admits them, so that a decode worker's chain does not break at every arrival.
 
 A request that step n ends anyway (EOS, a stop token or string, an abort) had one token computed
 for nothing in step n+1, which its booking drops. Its blocks are still being written by that
@@ -57,24 +61,26 @@ class SchedulerState(Protocol):
 
 
 def schedule_chained(scheduler: SchedulerState, prev: SchedulerOutput,
-                     can_chain: Callable[[Request], bool]) -> SchedulerOutput | None:
-    """The decode step after ``prev`` (a decode step launched and not booked), or None, with
-    nothing changed, when the next step must wait for ``prev``'s tokens (the module's rules).
-    ``can_chain(request)``: whether its next token can be sampled without knowing the one
-    ``prev`` samples for it."""
+                     samples_blind: Callable[[Request, int], bool],
+                     admit: Callable[[SchedulerOutput, int], None]) -> SchedulerOutput | None:
+    """The decode step after ``prev`` (a step launched and not booked), or None, with nothing
+    changed, when the next step must wait for ``prev``'s tokens (the module's rules).
+    ``samples_blind(request, n)``: whether its next token can be sampled on the device with
+    ``n`` of its output tokens unknown to the host. ``admit(out, budget)``: the scheduler's
+    admission of queued requests into ``out``, called only when each of them is decode-ready."""
     if scheduler.prefix.has_loads_in_flight or any(True for _ in scheduler.forks):
         return None
-    if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs and any(
-            r.status == RequestStatus.WAITING or r.status == RequestStatus.PREEMPTED
-            for r in scheduler.waiting):
-        return None
+    queued = [r for r in scheduler.waiting if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+    if queued and len(scheduler.running) < scheduler.config.max_num_seqs and not all(
+            _is_landed(r) and samples_blind(r, 0) for r in queued):
+        return None  # a prompt to compute: a synchronous schedule admits it
     live = [r for r in prev.scheduled if not r.is_finished]
     if len(live) != len(scheduler.running) or len(live) > scheduler.config.max_num_batched_tokens:
         return None
     if any(r.num_computed_tokens + prev.num_scheduled_tokens[r.request_id] != r.num_tokens for r in live):
         return None  # a prompt chunk that samples nothing
     requests = [r for r in live if not _ends_after_one(r, scheduler.max_model_len)]
-    if not requests or not all(map(can_chain, requests)):
+    if not requests or not all(samples_blind(r, 1) for r in requests):
         return None
     kv = scheduler.kv_manager
     for i, request in enumerate(requests):  # the token in flight is at position num_tokens
@@ -83,8 +89,19 @@ def schedule_chained(scheduler: SchedulerState, prev: SchedulerOutput,
             for allocated in requests[:i]:
                 kv.truncate(allocated.request_id, allocated.num_tokens)
             return None
-    return SchedulerOutput(scheduled=requests, num_scheduled_tokens=dict.fromkeys(
-        (r.request_id for r in requests), 1), copy_ops=kv.take_copy_ops(), chained=True)
+    out = SchedulerOutput(scheduled=list(requests), num_scheduled_tokens=dict.fromkeys(
+        (r.request_id for r in requests), 1), num_fed=len(requests))
+    if queued:  # all landed and decode-ready: they join, as far as seats, budget and blocks go
+        admit(out, scheduler.config.max_num_batched_tokens - len(requests))
+    out.copy_ops = kv.take_copy_ops()
+    return out
+
+
+def _is_landed(request: Request) -> bool:
+    """Queued with its prompt's KV landed from a prefill worker and its first token known:
+    what it computes next is one decode token."""
+    return (request.status == RequestStatus.WAITING and request.num_computed_tokens > 0
+            and request.num_tokens - request.num_computed_tokens == 1)
 
 
 def _ends_after_one(request: Request, max_model_len: int) -> bool:

@@ -21,10 +21,11 @@ class SchedulerOutput:
     # Parallel samples (n > 1) forked from a request whose prompt completes this step: the
     # runner samples their first tokens from that request's last logits row.
     fork_children: dict[str, list[Request]] = field(default_factory=dict)
-    # A chained decode step (``chained.py``): scheduled before the step before it was booked, each
-    # request computes the token that step samples for it (fed on the device), at position
-    # ``num_tokens`` (its known tokens are all computed by then).
-    chained: bool = False
+    # A chained decode step (``chained.py``): scheduled before the step before it was booked; its
+    # first ``num_fed`` requests compute the token that step samples for them (fed on the device),
+    # at position ``num_tokens`` (their known tokens are all computed by then); any after them
+    # were admitted with their KV landed and compute their known last token.
+    num_fed: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

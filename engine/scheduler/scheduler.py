@@ -176,9 +176,9 @@ class Scheduler:
         return out
 
     def schedule_chained(self, prev: SchedulerOutput,
-                         can_chain: Callable[[Request], bool]) -> SchedulerOutput | None:
+                         samples_blind: Callable[[Request, int], bool]) -> SchedulerOutput | None:
         """The decode step after ``prev``, before ``prev`` is booked, or None (``chained.py``)."""
-        return schedule_chained(self, prev, can_chain)
+        return schedule_chained(self, prev, samples_blind, self._admit_waiting)
 
     def _schedule_pass(self) -> SchedulerOutput:
         out = SchedulerOutput()

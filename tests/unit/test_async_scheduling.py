@@ -253,6 +253,55 @@ def test_chains_beside_the_host_tier_give_the_synchronous_tokens(device):
     assert host_tier.num_hit_blocks > 0 and host_tier.num_loaded_bytes > 0, host_tier
 
 
+def disaggregate(prefill: EngineCore, decode: EngineCore, request_id: str, ids: list[int],
+                 params: SamplingParams) -> int:
+    """A prefill engine computes the prompt and its first token; its blocks are copied into the
+    decode engine's reservation, as a KV transfer would; returns the first token."""
+    prefill.add_request(request_id, ids, params)
+    first = None
+    while first is None:
+        for out in prefill.step():
+            if out.request_id == request_id and out.new_token_ids:
+                first = out.new_token_ids[0]
+    src = prefill.get_block_ids(request_id)
+    reservation = decode.reserve_remote(request_id, ids, params)
+    assert reservation is not None
+    skip = reservation.num_cached_blocks  # the decode engine's own prefix hit
+    decode.kv_cache[reservation.block_ids[skip:]] = prefill.kv_cache[src[skip:len(reservation.block_ids)]].to(
+        decode.kv_cache.device)
+    prefill.release_held(request_id)
+    assert decode.finish_remote_kv(request_id, first) is None
+    return first
+
+
+def test_a_decode_worker_admits_landed_requests_into_its_chain(device):
+    loaded = tiny_model()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    arrivals = {k: (f"d{k}", prompt(k, 3 + k % 7)) for k in range(0, 40, 3)}
+    results = {}
+    for mode in ("off", "on"):
+        prefill = EngineCore(EngineArgs(device=device, dtype="float32", block_size=4, num_kv_blocks=96,
+                                        cpu_offload_gb=0).build(loaded.config, Role.PREFILL), loaded)
+        decode = EngineCore(EngineArgs(device=device, dtype="float32", block_size=4, num_kv_blocks=96,
+                                       max_num_seqs=8, cpu_offload_gb=0, async_scheduling=mode
+                                       ).build(loaded.config, Role.DECODE), loaded)
+        tokens: dict[str, list[int]] = {}
+        for k in range(MAX_STEPS):
+            if k in arrivals:
+                request_id, ids = arrivals[k]
+                tokens[request_id] = [disaggregate(prefill, decode, request_id, ids, params)]
+            if k > max(arrivals) and not decode.has_unfinished_requests():
+                break
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+            decode.check_integrity()
+        assert decode.block_pool.num_free_blocks == decode.runner.num_blocks
+        results[mode] = (tokens, decode)
+    assert results["on"][0] == results["off"][0]
+    assert all(len(t) == 12 for t in results["on"][0].values())
+    assert results["on"][1].num_chained_admissions > 0  # arrivals joined chained steps
+
+
 def test_a_deferred_prompt_step_still_feeds_the_host_tiers_prefill_rate(device):
     core = make_core(tiny_model(), device, "on", cpu_offload_gb=0.001)
     before = core.host_tier.cost.prefill_tok_s
