@@ -147,23 +147,23 @@ class ModelRunner:
             src, dst = zip(*sched.copy_ops)
             self._copy_blocks(self.kv_cache, torch.tensor(src, device=self.device),
                               torch.tensor(dst, device=self.device))
-        if sched.num_fed:  # the fed requests' tokens in flight (after their known ones), then known ones
+        fed, known = sched.scheduled[:sched.num_fed], sched.scheduled[sched.num_fed:]
+        rows = plan_logit_rows(known, sched.num_scheduled_tokens, sched.fork_children)
+        seqs = []
+        for request, num_logits in zip(known, rows.num_logits):
+            start = request.num_computed_tokens
+            end = start + sched.num_scheduled_tokens[request.request_id]
+            seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
+                                     block_ids[request.request_id], num_logits))
+        fed_ids = None
+        if fed:  # a chained step: first each fed request's token in flight, after its known ones
             assert chain is not None, "a chained step needs the step it follows"
-            fed, known = sched.scheduled[:sched.num_fed], sched.scheduled[sched.num_fed:]
-            rows = LogitRows([1] * len(sched.scheduled), [(r, i) for i, r in enumerate(sched.scheduled)])
-            seqs = [ScheduledSeq([0], r.num_tokens, block_ids[r.request_id]) for r in fed]
-            seqs += [ScheduledSeq(r.token_view[r.num_computed_tokens:r.num_tokens], r.num_computed_tokens,
-                                  block_ids[r.request_id]) for r in known]
-            step = self._forward(seqs, chain.chain_input(fed))
-        else:
-            rows = plan_logit_rows(sched.scheduled, sched.num_scheduled_tokens, sched.fork_children)
-            seqs = []
-            for request, num_logits in zip(sched.scheduled, rows.num_logits):
-                start = request.num_computed_tokens
-                end = start + sched.num_scheduled_tokens[request.request_id]
-                seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
-                                         block_ids[request.request_id], num_logits))
-            step = self._forward(seqs)
+            fed_ids = chain.chain_input(fed)
+            rows = LogitRows([1] * len(fed) + rows.num_logits, [(r, i) for i, r in enumerate(fed)] + [
+                (r, row + len(fed)) for r, row in rows.sample_rows], prompt_rows=rows.prompt_rows,
+                verify_requests=rows.verify_requests)  # the scheduler admits neither to a chained step
+            seqs = [ScheduledSeq([0], r.num_tokens, block_ids[r.request_id]) for r in fed] + seqs
+        step = self._forward(seqs, fed_ids)
 
         out = RunnerOutput()
         if step is None:

@@ -15,13 +15,15 @@ every token it samples can be drawn without the host knowing step n's (``samples
 
 - every running request was in step n and sampled there (none left out of the batch, no prompt
   chunk short of its end); none is chained that step n surely ends (``max_tokens``, the context
-  length); no queued request that could be admitted needs its prompt computed, no prefix load is
-  in flight and no parallel sample waits to fork;
+  length); every queued request that could be admitted samples blind too (no prompt logprobs),
+  no prefix load is in flight and no parallel sample waits to fork;
 - there are blocks for every chained request (nothing is preempted; all or none allocate).
 
-Queued requests whose prompt's KV landed from a prefill worker (DECODE role) compute one known
-token next: they join the chained step after its fed rows, admitted as a synchronous schedule
-admits them, so that a decode worker's chain does not break at every arrival.
+Queued requests join the chained step after its fed rows, admitted as a synchronous schedule
+admits them (prefix hits, chunked prompts, the seats and the budget; never a preemption), so that
+the chain does not break at every arrival: a prompt's chunk, or on a decode worker one known
+token of a request whose KV landed from a prefill worker. Such a step is not decode-only and
+runs eagerly; a prompt that does not end in it breaks the chain after it.
 
 A request that step n ends anyway (EOS, a stop token or string, an abort) had one token computed
 for nothing in step n+1, which its booking drops. Its blocks are still being written by that
@@ -67,13 +69,13 @@ def schedule_chained(scheduler: SchedulerState, prev: SchedulerOutput,
     changed, when the next step must wait for ``prev``'s tokens (the module's rules).
     ``samples_blind(request, n)``: whether its next token can be sampled on the device with
     ``n`` of its output tokens unknown to the host. ``admit(out, budget)``: the scheduler's
-    admission of queued requests into ``out``, called only when each of them is decode-ready."""
+    admission of queued requests into ``out``, called only when each of them samples blind."""
     if scheduler.prefix.has_loads_in_flight or any(True for _ in scheduler.forks):
         return None
     queued = [r for r in scheduler.waiting if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
     if queued and len(scheduler.running) < scheduler.config.max_num_seqs and not all(
-            _is_landed(r) and samples_blind(r, 0) for r in queued):
-        return None  # a prompt to compute: a synchronous schedule admits it
+            samples_blind(r, 0) and r.sampling_params.prompt_logprobs is None for r in queued):
+        return None  # its first token needs the host: a synchronous schedule admits it
     live = [r for r in prev.scheduled if not r.is_finished]
     if len(live) != len(scheduler.running) or len(live) > scheduler.config.max_num_batched_tokens:
         return None
@@ -91,17 +93,10 @@ def schedule_chained(scheduler: SchedulerState, prev: SchedulerOutput,
             return None
     out = SchedulerOutput(scheduled=list(requests), num_scheduled_tokens=dict.fromkeys(
         (r.request_id for r in requests), 1), num_fed=len(requests))
-    if queued:  # all landed and decode-ready: they join, as far as seats, budget and blocks go
+    if queued:  # they join after the fed rows, as far as seats, budget and blocks go
         admit(out, scheduler.config.max_num_batched_tokens - len(requests))
     out.copy_ops = kv.take_copy_ops()
     return out
-
-
-def _is_landed(request: Request) -> bool:
-    """Queued with its prompt's KV landed from a prefill worker and its first token known:
-    what it computes next is one decode token."""
-    return (request.status == RequestStatus.WAITING and request.num_computed_tokens > 0
-            and request.num_tokens - request.num_computed_tokens == 1)
 
 
 def _ends_after_one(request: Request, max_model_len: int) -> bool:

@@ -119,6 +119,7 @@ def test_chained_steps_give_the_synchronous_tokens(device):
     on = drive(core, workload(stop_token))
     assert on == off
     assert core.num_chained_steps >= 10  # the greedy stretches did run chained
+    assert core.num_chained_admissions > 0  # and arrivals joined chained steps
     reasons = {reason for _, reason in off.values()}
     assert {"stop", "length"} <= reasons
 
@@ -203,17 +204,22 @@ def test_aborted_and_stopped_requests_give_their_blocks_back_after_the_chained_s
     assert core.block_pool.num_free_blocks == core.runner.num_blocks
 
 
-def test_a_request_queued_mid_chain_is_admitted_at_the_next_step(device):
+def test_a_request_queued_mid_chain_joins_the_next_chained_step(device):
     core = make_core(tiny_model(), device, "on")
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     core.add_request("long", prompt(1, 4), long)
     while core._in_flight is None:
         core.step()
     core.add_request("late", prompt(2, 4), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    core.step()  # books the chained step and, with a request to admit, chains nothing
+    core.step()  # books the chained step and chains the next, with the late prompt after the fed row
+    assert core._in_flight is not None and core.num_chained_admissions == 1
+    assert [r.request_id for r in core._in_flight.sched.scheduled] == ["long", "late"]
+    # a request whose first token needs the host (prompt logprobs) waits for a synchronous step
+    core.add_request("logprobs", prompt(3, 4), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+    core.step()
     assert core._in_flight is None
-    core.step()  # a synchronous schedule: the late request's prompt
-    assert "late" not in [r.request_id for r in core.scheduler.waiting]
+    core.step()
+    assert "logprobs" not in [r.request_id for r in core.scheduler.waiting]
 
 
 def test_a_pool_too_small_for_the_chained_step_falls_back_to_the_synchronous_schedule(device):
