@@ -40,12 +40,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] from the model (any float dtype; never modified)."""
         processed = process_logits(_working_copy(logits, metadata), metadata)
-        if metadata.all_greedy:
-            sampled = row_argmax(processed)
-        else:
-            sampled = sample_from_probs(processed.softmax(dim=-1), metadata, self.generator)
-            if not metadata.all_random:
-                sampled = torch.where(metadata.is_greedy, row_argmax(processed), sampled)
+        sampled = self._draw(processed, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = _logprobs(logits, processed, sampled, metadata)
@@ -56,14 +51,18 @@ class Sampler:
         host: [B] int64 on the device, -1 for a row with no finite maximum (where ``__call__``
         raises). For rows of ``metadata.samples_blind`` (their masks are the model's alone)."""
         processed = process_logits(_working_copy(logits, metadata), metadata, check=False)
-        if metadata.all_greedy:
-            sampled = row_argmax(processed)
-        else:
-            sampled = sample_from_probs(processed.softmax(dim=-1), metadata, self.generator)
-            if not metadata.all_random:
-                sampled = torch.where(metadata.is_greedy, row_argmax(processed), sampled)
+        sampled = self._draw(processed, metadata)
         # temperature and truncation keep a finite maximum finite, and an infinite one infinite
         return torch.where(torch.isfinite(processed.amax(dim=-1)), sampled, -1)
+
+    def _draw(self, processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """One token per row of the processed logits: greedy rows' argmax, the others' race."""
+        if metadata.all_greedy:
+            return row_argmax(processed)
+        sampled = sample_from_probs(processed.softmax(dim=-1), metadata, self.generator)
+        if not metadata.all_random:
+            sampled = torch.where(metadata.is_greedy, row_argmax(processed), sampled)
+        return sampled
 
     def compute_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         return compute_probs(logits, metadata)
