@@ -304,7 +304,7 @@ class EngineCore:
         return EngineStats(self.block_pool.num_free_blocks, self.runner.num_blocks,
                            self.config.cache.block_size, len(self.scheduler.running),
                            len(self.scheduler.waiting), outstanding, self._tier_stats(),
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.num_chained_steps)
 
     def _tier_stats(self) -> tuple[TierStats, ...]:
         pool = self.block_pool

@@ -63,6 +63,7 @@ class EngineStats:
     num_outstanding_prefill_tokens: int  # prompt tokens admitted, not computed, not arriving from a peer
     tiers: tuple[TierStats, ...] = ()  # DEVICE, then HOST when the host tier is on
     num_preemptions: int = 0  # requests preempted (recomputed) since the engine started
+    num_chained_steps: int = 0  # steps launched before the one in flight was booked (async scheduling)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,6 +77,9 @@ class EngineCollector(Collector):
         yield info
         yield self._counter("vllm:num_preemptions", "Requests preempted (recomputed) so far.",
                             stats.num_preemptions)
+        yield self._counter("pdserve_engine_chained_steps", "Engine steps launched before the step "
+                            "in flight was booked (async scheduling: their host work overlapped "
+                            "the device's).", stats.num_chained_steps)
         yield from self._tiers(stats.block_size)
         yield from self._spec()
         yield self._counter("pdserve_kv_transfer_bytes_sent", "KV bytes pushed to decode workers.",

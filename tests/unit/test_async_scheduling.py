@@ -133,6 +133,7 @@ def test_seeded_sampling_chains_and_draws_the_synchronous_tokens(device):
     core = make_core(loaded, device, "on")
     assert drive(core, arrivals) == off
     assert core.num_chained_steps >= 10
+    assert core.stats().num_chained_steps == core.num_chained_steps  # pdserve_engine_chained_steps_total
 
 
 def test_what_is_sampled_blind():
