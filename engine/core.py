@@ -65,7 +65,7 @@ class EngineCore:
                  config.async_scheduling)
         self._in_flight: _Launched | None = None  # a chained step launched and not booked
         self.num_chained_steps = 0
-        self.num_chained_admissions = 0  # queued requests with landed KV that joined one
+        self.num_chained_admissions = 0  # queued requests that joined a chained step
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:

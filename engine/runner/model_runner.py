@@ -216,7 +216,7 @@ class ModelRunner:
     def _forward(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None) -> StepLogits | None:
         """The step's logits rows (None when it has none): a replayed graph for a decode step
         that fits one (with its greedy tokens), else the eager forward. ``input_ids`` (on the
-        device) replace the first sequences' tokens (a decode step's)."""
+        device) replace the first sequences' tokens (a chained step's fed rows)."""
         if self.decode_graphs.can_run(seqs):
             return self.decode_graphs.run(seqs, input_ids)
         model_input = build_model_input(seqs, self.block_size, self.device)

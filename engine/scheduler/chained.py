@@ -122,9 +122,6 @@ class UnbookedSteps:
         self.kv_manager = kv_manager
         self._steps: deque[_Unbooked] = deque()
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
     def launched(self, out: SchedulerOutput) -> None:
         self._steps.append(_Unbooked({r.request_id for r in out.scheduled}))
 
