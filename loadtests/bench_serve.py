@@ -13,7 +13,9 @@
    prompts, 128 new tokens, streaming, ``--load-requests`` requests at each concurrency
    (fewer at concurrency 1, ``--load-requests-c1``): output tokens/s, TTFT and ITL, and failed
    requests by HTTP status, set against the offline engine's output tok/s at the same
-   concurrency (the same prompts, ``LLM.generate``).
+   concurrency (the same prompts, ``LLM.generate``). ``tok/chunk``: tokens per SSE chunk, above
+   1 with speculation, or where the served path fell behind the engine and caught up in fewer
+   writes (OutputQueue, services/common/async_engine.py); ITL is per chunk.
 
 Modes: ``colocated`` (router + one engine on all cores); ``nixl`` and ``grpc`` (router + 1
 prefill + 1 decode worker sharing every core, as ``pdserve up`` runs them, KV over that
@@ -128,7 +130,7 @@ async def load(base_url: str, model: str, concurrency: int, num_requests: int, t
     return {"elapsed": elapsed, "ok": len(ok),
             "failed": Counter(r.status for r in results if not r.ok),
             "errors": [r.error for r in results if not r.ok][:3],
-            "tokens": sum(r.completion_tokens for r in ok),
+            "tokens": sum(r.completion_tokens for r in ok), "chunks": sum(len(r.stamps) for r in ok),
             "ttft": [r.ttft for r in ok], "itl": [g for r in ok for g in r.gaps]}
 
 
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"\nload: {args.load_prompt_len}-token prompts, {args.load_max_tokens} new tokens, streaming")
     print(f"{'mode':10s}{'conc':>5s}{'reqs':>5s}{'failed':>16s}{'out tok/s':>10s}{'TTFT p50 s':>11s}"
-          f"{'TTFT p99 s':>11s}{'ITL p50 ms':>11s}")
+          f"{'TTFT p99 s':>11s}{'ITL p50 ms':>11s}{'tok/chunk':>10s}")
     colocated_rate = {}
     for mode in modes:
         for key, r in served[mode].items():
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                       if mode != "colocated" and colocated_rate.get(c) else ")")
             print(f"{mode:10s}{c:5d}{r['ok'] + sum(r['failed'].values()):5d}{failed:>16s}{rate:10.1f}"
                   f"{percentile(r['ttft'], .5):11.2f}{percentile(r['ttft'], .99):11.2f}"
-                  f"{percentile(r['itl'], .5) * 1e3:11.1f}{ratio}")
+                  f"{percentile(r['itl'], .5) * 1e3:11.1f}{r['tokens'] / max(r['chunks'], 1):10.2f}{ratio}")
             for error in r["errors"]:
                 print(f"    failure: {error}")
     print("\nthe router's /metrics after each mode's runs: route decisions; mean seconds per TTFT stage")

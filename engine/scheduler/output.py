@@ -54,6 +54,25 @@ class RequestOutput:
     parent_id: str | None = None  # the caller's request id when n > 1
     index: int = 0
 
+    def can_absorb(self, later: RequestOutput) -> bool:
+        """Whether ``later`` (the same queue's next output) can join this one as one output:
+        the same sample, this one not finished, and ``later`` no failure (an abort or error
+        stays its own output, so the tokens before it reach the caller as they would have)."""
+        return (later.request_id == self.request_id and not self.finished
+                and later.finish_reason not in ("abort", "error"))
+
+    def absorb(self, later: RequestOutput) -> RequestOutput:
+        """This output and ``later`` (see ``can_absorb``) as one: the tokens (and logprobs) of
+        both, the prompt logprobs of the first that has them, the rest ``later``'s."""
+        return RequestOutput(
+            later.request_id, self.new_token_ids + later.new_token_ids, later.finished,
+            later.finish_reason, later.stop_reason,
+            None if self.new_logprobs is None and later.new_logprobs is None
+            else (self.new_logprobs or []) + (later.new_logprobs or []),
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            later.num_prompt_tokens, later.num_cached_tokens, later.num_computed_tokens,
+            later.error, later.parent_id, later.index)
+
     @classmethod
     def of(cls, request: Request, new_token_ids: list[int]) -> RequestOutput:
         """``request``'s output after a step that gave it ``new_token_ids`` (not finished yet)."""

@@ -28,7 +28,31 @@ from engine.stats import EngineStats, Sendable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.005  # how long the loop sleeps when nothing is schedulable
-OutputQueue = asyncio.Queue[RequestOutput | BaseException]  # one request's outputs, or why it died
+
+
+class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
+    """One request's outputs, or why it died. A get returns the first output queued together
+    with those of the same sample right behind it, as one (``RequestOutput.absorb``): a
+    consumer that fell behind the engine (a decode worker's gRPC writes, the router's SSE
+    writes, more per step than the step takes) catches up in one write instead of one per
+    step, so the cost per token falls as the load rises. Nothing waits for more: a consumer
+    that keeps up gets every step's output on its own."""
+
+    def _init(self, maxsize: int) -> None:
+        self._queue: deque[RequestOutput | BaseException] = deque()
+
+    def _get(self) -> RequestOutput | BaseException:
+        queue = self._queue
+        item = queue.popleft()
+        if isinstance(item, BaseException):
+            return item
+        while queue:
+            later = queue[0]
+            if isinstance(later, BaseException) or not item.can_absorb(later):
+                break
+            queue.popleft()
+            item = item.absorb(later)
+        return item
 
 
 class EngineDead(RuntimeError):
@@ -188,7 +212,7 @@ class AsyncEngine:
         """Route outputs of ``request_id`` (and of its samples) to a new queue."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: OutputQueue = asyncio.Queue()
+        queue = OutputQueue()
         self._queues[request_id] = queue
         return queue
 

@@ -84,19 +84,28 @@ class DecodeStream:
 
     async def _read(self) -> worker_pb2.DecodeResponse:
         """The next response, failing early if ``alongside`` fails meanwhile."""
-        read = asyncio.ensure_future(self.call.read())
         alongside = self.alongside
+        if alongside is None or alongside.done():  # the common case: no task per token
+            _raise_if_failed(alongside)
+            return self._checked(await self.call.read())
+        read = asyncio.ensure_future(self.call.read())
         try:
-            if alongside is not None and not alongside.done():
-                await asyncio.wait({read, alongside}, return_when=asyncio.FIRST_COMPLETED)
-            if alongside is not None and alongside.done() and not alongside.cancelled():
-                error = alongside.exception()
-                if error is not None:
-                    raise error
-            response: worker_pb2.DecodeResponse = await read
+            await asyncio.wait({read, alongside}, return_when=asyncio.FIRST_COMPLETED)
+            _raise_if_failed(alongside)
+            response = await read
         finally:
             if not read.done():
                 read.cancel()
+        return self._checked(response)
+
+    def _checked(self, response: object) -> worker_pb2.DecodeResponse:
         if response is grpc.aio.EOF:
             raise WorkerLost(self.worker, f"it ended {self.sample.request_id!r} without a finish reason")
-        return response
+        return cast("worker_pb2.DecodeResponse", response)
+
+
+def _raise_if_failed(alongside: asyncio.Future[None] | None) -> None:
+    if alongside is not None and alongside.done() and not alongside.cancelled():
+        error = alongside.exception()
+        if error is not None:
+            raise error
