@@ -184,7 +184,8 @@ class RouterMetrics:
 class RequestTimer:
     """One request as the router sees it (event-loop thread only); ``on_finished`` is idempotent."""
 
-    __slots__ = ("m", "num_prompt_tokens", "request_type", "sent_at", "last_event_at", "is_done", "ttft_s")
+    __slots__ = ("m", "num_prompt_tokens", "request_type", "sent_at", "last_event_at", "is_done", "ttft_s",
+                 "_itl")
 
     def __init__(self, metrics: RouterMetrics, num_prompt_tokens: int, request_type: str) -> None:
         self.m = metrics
@@ -196,6 +197,7 @@ class RequestTimer:
         self.ttft_s = 0.0  # sent to first event (s), once it came
         metrics.inflight.labels(metrics.model_name).inc()
         metrics.queued.labels(metrics.model_name).inc()
+        self._itl = metrics.itl.labels(metrics.model_name)  # observed per event: looked up once
 
     def on_event(self) -> None:
         now, m = time.monotonic(), self.m
@@ -204,7 +206,7 @@ class RequestTimer:
             m.ttft.labels(m.model_name).observe(self.ttft_s)
             m.queued.labels(m.model_name).dec()
         else:
-            m.itl.labels(m.model_name).observe(now - self.last_event_at)
+            self._itl.observe(now - self.last_event_at)
         self.last_event_at = now
 
     def on_finished(self, status: str, num_output_tokens: int, num_cached_tokens: int) -> None:

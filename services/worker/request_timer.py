@@ -44,12 +44,13 @@ class NullRequestTimer:
 class RequestTimer(NullRequestTimer):
     """One request's timeline on one worker (event-loop thread only)."""
 
-    __slots__ = ("_h", "_labels", "arrived_at", "scheduled_at", "first_token_at", "last_output_at",
+    __slots__ = ("_h", "_labels", "_itl", "arrived_at", "scheduled_at", "first_token_at", "last_output_at",
                  "num_generated_tokens")
 
     def __init__(self, histograms: RequestHistograms, labels: tuple[str, str, str, str]) -> None:
         self._h = histograms
         self._labels = labels
+        self._itl = histograms.itl.labels(*labels)  # observed per output: looked up once
         self.arrived_at = time.monotonic()
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
@@ -66,7 +67,7 @@ class RequestTimer(NullRequestTimer):
         if self.first_token_at is None:
             self.first_token_at = now
         else:
-            self._h.itl.labels(*self._labels).observe(now - (self.last_output_at or now))
+            self._itl.observe(now - (self.last_output_at or now))
         self.last_output_at = now
         self.num_generated_tokens += num_new_tokens
 
