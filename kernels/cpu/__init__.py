@@ -52,7 +52,13 @@ ISA_FLAGS = {
     "avx512": ("-march=x86-64-v4", "-mtune=native", "-mprefer-vector-width=512"),
 }
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wall")
+# --param avoid-fma-max-bits=0: GCC tuned for AMD Zen (-mtune=znver*, which -mtune=native and
+# -march=native pick there) leaves loop-carried a += b * c of vectors up to 256 bits as a multiply
+# and an add, and contracts the same sum elsewhere: the attention's per-query and multi-query
+# steps then round differently (head_dim 80, AVX2 build, on an EPYC), and a token's output
+# depends on the item that served it (tests/kernels/test_cpu_attention.py: rows of an item).
+# Contracting everywhere keeps their orders identical on every tuning.
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wall", "--param=avoid-fma-max-bits=0")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname): one pool
 
 
