@@ -15,7 +15,10 @@
    requests by HTTP status, set against the offline engine's output tok/s at the same
    concurrency (the same prompts, ``LLM.generate``). ``tok/chunk``: tokens per SSE chunk, above
    1 with speculation, or where the served path fell behind the engine and caught up in fewer
-   writes (OutputQueue, services/common/async_engine.py); ITL is per chunk.
+   writes (OutputQueue, services/common/async_engine.py); ITL is per chunk. And where the host's
+   time went meanwhile: each process's CPU per output token, split into its main thread (a
+   service's event loop: HTTP, gRPC, SSE), its engine thread and the rest (kernel threads,
+   gRPC's pollers, copies); a main or engine thread near 100% of a core bounds the mode (GIL).
 
 Modes: ``colocated`` (router + one engine on all cores); ``nixl`` and ``grpc`` (router + 1
 prefill + 1 decode worker sharing every core, as ``pdserve up`` runs them, KV over that
@@ -32,7 +35,7 @@ import statistics
 import time
 from collections import Counter
 
-from loadtests.cluster import percentile, running_cluster, stream_completion
+from loadtests.cluster import host_cpu, host_cpu_by_role, percentile, running_cluster, stream_completion
 from loadtests.prompts import distinct_prompts
 
 MODES = {
@@ -194,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
             if not args.skip_load:
                 for c in concurrencies:
                     n = args.load_requests_c1 if c == 1 else args.load_requests
+                    cpu_before = host_cpu(cluster.proc.pid)
                     row[f"load {c}"] = asyncio.run(load(cluster.http_url, cluster.model, c, n, loaded.tokenizer, args))
+                    row[f"load {c}"]["cpu"] = host_cpu_by_role(cpu_before, host_cpu(cluster.proc.pid))
             row["router"] = router_summary(cluster.http_url)
             served[mode] = row
 
@@ -233,6 +238,22 @@ def main(argv: list[str] | None = None) -> None:
                   f"{percentile(r['itl'], .5) * 1e3:11.1f}{r['tokens'] / max(r['chunks'], 1):10.2f}{ratio}")
             for error in r["errors"]:
                 print(f"    failure: {error}")
+    print("\nhost CPU per output token during each load, by process: us of CPU per token (and % of one "
+          "core): all threads = main thread (the event loop) + engine thread + the others")
+    print(f"{'mode':10s}{'conc':>5s}  {'process':9s}{'all us':>8s}{'main':>7s}{'engine':>8s}{'other':>7s}"
+          f"{'% core':>8s}{'main %':>8s}")
+    for mode in modes:
+        for key, r in served[mode].items():
+            if not str(key).startswith("load") or not r["tokens"]:
+                continue
+            for role, used in sorted(r["cpu"].items(), key=lambda kv: -kv[1].total_s):
+                if used.total_s < 0.01 * r["elapsed"]:
+                    continue  # idle beside the load (redis, the launcher)
+                us = 1e6 / r["tokens"]
+                other = used.total_s - used.main_s - used.engine_s
+                print(f"{mode:10s}{key.split()[1]:>5s}  {role:9s}{used.total_s * us:8.0f}{used.main_s * us:7.0f}"
+                      f"{used.engine_s * us:8.0f}{other * us:7.0f}{used.total_s / r['elapsed'] * 100:7.0f}%"
+                      f"{used.main_s / r['elapsed'] * 100:7.0f}%")
     print("\nthe router's /metrics after each mode's runs: route decisions; mean seconds per TTFT stage")
     for mode in modes:
         decisions, stages = served[mode]["router"]

@@ -2,6 +2,7 @@
 
     with running_cluster(["--colocated"]) as cluster:        # waits for the `ready` line
         result = await stream_completion(session, cluster.http_url, prompt_ids, max_tokens=64)
+        before = host_cpu(cluster.proc.pid)                  # CPU seconds of each process under it
 
 Loopback only; every wait is bounded.
 """
@@ -133,3 +134,77 @@ def percentile(values: Sequence[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# host_cpu: a process's role from its command line (``pdserve up`` starts each as `services.cli ...`)
+_ROLES = (("serve router", "router"), ("serve prefill", "prefill"), ("serve decode", "decode"),
+          ("serve kvstore", "kvstore"), ("redis-server", "redis"), ("services.cli up", "up"))
+ENGINE_THREAD = "engine-loop"  # the OS name AsyncEngine gives its thread (services/common/async_engine.py)
+
+
+@dataclass
+class ProcessCpu:
+    """CPU seconds (user + system) of one process so far: all threads, its main thread (a
+    service's event loop), its engine thread (0 where none)."""
+
+    role: str
+    total_s: float
+    main_s: float
+    engine_s: float
+
+    def minus(self, earlier: ProcessCpu | None) -> ProcessCpu:
+        if earlier is None:
+            return self
+        return ProcessCpu(self.role, self.total_s - earlier.total_s, self.main_s - earlier.main_s,
+                          self.engine_s - earlier.engine_s)
+
+
+def _cpu_s(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu(root_pid: int) -> dict[int, ProcessCpu]:
+    """``ProcessCpu`` of ``root_pid`` and every process under it, by pid (Linux /proc; empty
+    elsewhere). Processes that end meanwhile are left out."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    tree, changed = {root_pid}, True
+    while changed:
+        grown = tree | {pid for pid, parent in parents.items() if parent in tree}
+        changed, tree = grown != tree, grown
+    result = {}
+    for pid in tree:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/cmdline") as f:
+                command = f.read().replace("\0", " ")
+            with open(f"/proc/{pid}/stat") as f:
+                total = _cpu_s(f.read())
+            main = engine = 0.0
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        stat = f.read()
+                    if int(tid) == pid:
+                        main = _cpu_s(stat)
+                    elif stat[stat.index("(") + 1:stat.rindex(")")] == ENGINE_THREAD:
+                        engine += _cpu_s(stat)
+            role = next((name for key, name in _ROLES if key in command), "other")
+            result[pid] = ProcessCpu(role, total, main, engine)
+    return result
+
+
+def host_cpu_by_role(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu]) -> dict[str, ProcessCpu]:
+    """The CPU each role's processes used between two ``host_cpu`` snapshots (summed per role)."""
+    by_role: dict[str, ProcessCpu] = {}
+    for pid, now in after.items():
+        used = now.minus(before.get(pid))
+        total = by_role.get(used.role)
+        by_role[used.role] = used if total is None else ProcessCpu(
+            used.role, total.total_s + used.total_s, total.main_s + used.main_s, total.engine_s + used.engine_s)
+    return by_role
+

@@ -24,10 +24,12 @@ from engine.models.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.stats import EngineStats, Sendable
+from services.common.native_thread_name import set_native_thread_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.005  # how long the loop sleeps when nothing is schedulable
+ENGINE_THREAD_NAME = "engine-loop"  # also the OS's name for it (top -H, /proc/<pid>/task/*/comm)
 
 
 class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
@@ -78,7 +80,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
     async def build(self, make_core: Callable[[], EngineCore]) -> EngineCore:
@@ -104,7 +106,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_set_result, built, self._core)
             self._run()
 
-        self._thread = threading.Thread(target=build_then_run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=build_then_run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
         return await built
 
@@ -229,6 +231,7 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        set_native_thread_name(ENGINE_THREAD_NAME)
         try:
             while not self._stopping:
                 while self._commands:
