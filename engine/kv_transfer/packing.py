@@ -49,6 +49,54 @@ def pack_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tenso
     return rows.index_select(0, index).reshape(-1).cpu()
 
 
+class PackedBlocks:
+    """``pack_blocks``' payload, on CUDA perhaps still on its way to host memory
+    (``gather_blocks``): ``host()`` waits for it."""
+
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None = None,
+                 source: torch.Tensor | None = None) -> None:
+        self._host = host
+        self._copied = copied
+        self._source = source  # the device-side gather, kept until its copy is done
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.numel()
+
+    def host(self) -> torch.Tensor:
+        """The flat ``uint8`` payload in host memory (blocks until the copy is done)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = self._source = None
+        return self._host
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int],
+                  stream: torch.cuda.Stream | None = None) -> PackedBlocks:
+    """Start packing ``kv_cache[block_ids]`` (``pack_blocks``' format) into host memory.
+
+    A CPU cache (or no ``stream``): packed now. A CUDA cache: gathered on ``stream``, after the
+    work queued so far on the caller's current stream (the engine's, which wrote the blocks), and
+    copied into pinned memory there; the caller does not wait for it, where ``pack_blocks``
+    waits for everything queued on the device and copies into pageable memory. The blocks must
+    not be written again until ``host()`` has returned (a sender keeps them allocated until its
+    transfer ends)."""
+    if not kv_cache.is_cuda or stream is None:
+        return PackedBlocks(pack_blocks(kv_cache, block_ids))
+    rows = block_bytes_view(kv_cache)
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()
+    host = torch.empty(len(block_ids) * rows.shape[1], dtype=torch.uint8, pin_memory=True)
+    index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=True)
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        gathered = rows.index_select(0, index.to(kv_cache.device, non_blocking=True)).reshape(-1)
+        host.copy_(gathered, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record(stream)
+    return PackedBlocks(host, copied, gathered)
+
+
 def iter_chunks(packed: torch.Tensor, max_chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
     """Yield ``(offset, bytes)`` pieces of ``packed`` of at most ``max_chunk_bytes`` each."""
     if max_chunk_bytes <= 0:

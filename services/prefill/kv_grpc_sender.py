@@ -24,7 +24,7 @@ from engine.kv_transfer.base import (
     TransferState,
     check_send_args,
 )
-from engine.kv_transfer.packing import iter_chunks, pack_blocks
+from engine.kv_transfer.packing import PackedBlocks, gather_blocks, iter_chunks
 from services.common.channels import internal_sync_channel
 from services.common.faults import faults
 from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
@@ -57,8 +57,11 @@ def fetch_remote_handshake(address: str, local: KVHandshake,
 class GrpcKVSender(GrpcEndpoint, KVSender):
     """Prefill side of the gRPC transport: PushBlocks streams on a small thread pool.
 
-    ``send_blocks`` gathers the source blocks at once (so they may be reused as soon as it
-    returns) and streams them in the background; ``poll`` reports the result.
+    ``send_blocks`` starts gathering the source blocks into host memory (on CUDA on a side
+    stream, into pinned memory: the sender's thread waits neither for the device nor for the
+    copy) and streams them in the background, where a push thread waits for the copy and
+    checksums the payload; ``poll`` reports the result. The source blocks must stay allocated
+    until then (``KVPusher.send``).
     """
 
     def __init__(self, model_name: str, *, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -73,6 +76,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._pushes: dict[int, Future[kv_pb2.PushBlocksAck]] = {}
+        self._stream: torch.cuda.Stream | None = None  # CUDA: where payloads are gathered
 
     def connect(self, remote: KVHandshake, address: str = "") -> RemoteInfo:
         if not address:
@@ -85,14 +89,15 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         local = self.handshake_info()
         check_send_args(src_block_ids, dst_block_ids, local.region.num_blocks, remote.handshake)
         assert self.kv_cache is not None
-        packed = pack_blocks(self.kv_cache, src_block_ids)  # uint8 [n * block_bytes], on CPU
-        # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (mypy checks as 3.10)
-        crc = zlib.crc32(packed.numpy())  # type: ignore[arg-type]  # see above
+        if self.kv_cache.is_cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(self.kv_cache.device)  # type: ignore[no-untyped-call]
+        # uint8 [n * block_bytes] in host memory; on CUDA still being copied when this returns
+        packed = gather_blocks(self.kv_cache, src_block_ids, self._stream)
         header = kv_pb2.PushBlocksHeader(
             request_id=request_id, dst_block_ids=list(dst_block_ids),
             compat_hash=local.compat.hash, dtype=local.compat.dtype,
-            block_shape=list(local.compat.block_shape), total_bytes=packed.numel(),
-            sender_agent_name=self.agent_name, crc32=crc)
+            block_shape=list(local.compat.block_shape), total_bytes=packed.nbytes,
+            sender_agent_name=self.agent_name)
         handle = TransferHandle(request_id=request_id, num_blocks=len(src_block_ids))
         self._pushes[handle.transfer_id] = self._pool.submit(
             self._push, remote.address, header, packed)
@@ -127,10 +132,15 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             return self._channels[address]
 
     def _push(self, address: str, header: kv_pb2.PushBlocksHeader,
-              packed: torch.Tensor) -> kv_pb2.PushBlocksAck:
+              packed: PackedBlocks) -> kv_pb2.PushBlocksAck:
+        """On a push thread: wait for the payload's copy, checksum it, stream it."""
+        payload = packed.host()
+        # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (mypy checks as 3.10)
+        header.crc32 = zlib.crc32(payload.numpy())  # type: ignore[arg-type]  # see above
+
         def chunks() -> Iterator[kv_pb2.PushBlocksChunk]:
             yield kv_pb2.PushBlocksChunk(header=header)
-            for offset, data in iter_chunks(packed, self.max_chunk_bytes):
+            for offset, data in iter_chunks(payload, self.max_chunk_bytes):
                 yield kv_pb2.PushBlocksChunk(offset=offset, data=faults().kv_corrupted(data))
 
         stub = kv_pb2_grpc.KVTransferServiceStub(self._channel(address))

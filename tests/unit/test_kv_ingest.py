@@ -1,7 +1,10 @@
-"""The gRPC push's chunk writer (engine/kv_transfer/ingest.py): chunks of any size land in the
-destination blocks and nowhere else, with the payload's crc32, from several threads at once. On
-the CPU through numpy; where CUDA is present again through pinned staging on a side stream, with
-chunks larger than the staging buffer (marked ``gpu``; skipped with the reason elsewhere)."""
+"""The gRPC push's two ends in engine/: the sender's gather (packing.py ``gather_blocks``: the
+payload ``pack_blocks`` gives, on CUDA gathered on a side stream into pinned memory after what
+the engine's stream queued) and the receiver's chunk writer (ingest.py): chunks of any size land
+in the destination blocks and nowhere else, with the payload's crc32, from several threads at
+once. On the CPU through numpy; where CUDA is present again through pinned staging on side
+streams, with chunks larger than the staging buffer (marked ``gpu``; skipped with the reason
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from engine.kv_transfer.ingest import ChunkWriter
-from engine.kv_transfer.packing import iter_chunks, pack_blocks
+from engine.kv_transfer.packing import gather_blocks, iter_chunks, pack_blocks
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SHAPE = (12, 2, 2, 4, 2, 8)  # [blocks, K/V, layers, block_size, kv_heads, head_dim]: 512 bytes of fp32 per block
@@ -66,3 +69,30 @@ def test_pushes_from_several_threads_each_land_whole(device):
     assert not errors and not any(t.is_alive() for t in threads)
     for src_ids, dst_ids in pushes:
         assert torch.equal(dst[dst_ids].cpu(), src[src_ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gathered_payload_is_the_packed_one(device, dtype):
+    src = source_cache(dtype)
+    cache = src.to(device)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    ids = [4, 0, 2, 7, 7]
+    gathered = gather_blocks(cache, ids, stream)
+    assert gathered.nbytes == len(ids) * src[0].numel() * src.element_size()
+    payload = gathered.host()
+    assert payload.device.type == "cpu" and payload.is_pinned() == (device == "cuda")
+    assert torch.equal(payload, pack_blocks(src, ids))
+
+
+@GPU
+@pytest.mark.gpu
+def test_a_gather_sees_what_the_engines_stream_queued_before_it():
+    """The gather runs on a side stream but after the current stream's work: a write queued
+    behind ~50 ms of device time is in the payload, though the caller never waited."""
+    cache = torch.zeros(SHAPE, device="cuda")
+    torch.cuda._sleep(100_000_000)  # the current stream busy (cycles) before the write
+    cache[3].fill_(7.0)
+    gathered = gather_blocks(cache, [3, 5], torch.cuda.Stream())
+    payload = gathered.host().view(torch.float32).view(2, -1)
+    assert bool((payload[0] == 7.0).all()) and not payload[1].any()
+
