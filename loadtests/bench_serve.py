@@ -2,7 +2,7 @@
 
     python -m loadtests.bench_serve [--modes colocated,nixl,grpc] [--itl-tokens 64]
                                     [--load-requests 32] [--load-concurrency 1,16]
-                                    [--model PATH] [--device cuda]
+                                    [--model PATH] [--device cuda] [--weight-format fp32]
     pdserve bench serve ...
 
 1. Offline: the engine's own per-token decode time at batch 1 and 8 (``LLM.generate``, prefill
@@ -52,10 +52,11 @@ def decode_threads(mode: str) -> int:
     return max(1, cores - cores // 2) if mode.endswith("-pinned") else cores
 
 
-def offline_llm(loaded, num_threads: int, device: str):
+def offline_llm(loaded, num_threads: int, device: str, weight_format: str | None = None):
     from engine import LLM
 
-    return LLM(loaded, num_threads=num_threads, enable_prefix_caching=False, device=device)
+    extra = {} if weight_format is None else {"weight_format": weight_format}
+    return LLM(loaded, num_threads=num_threads, enable_prefix_caching=False, device=device, **extra)
 
 
 def release_device_memory() -> None:
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--up-args", default="", help="extra flags for every pdserve up")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
     parser.add_argument("--device", default="cpu", help="torch device of the engines (cuda: one GPU for all)")
+    parser.add_argument("--weight-format", default=None,
+                        help="the engines' --weight-format, offline and served alike (default: the engine's)")
     args = parser.parse_args(argv)
     from engine.models.loader import load_model
     from kernels.cpu import cpu_identity
@@ -181,14 +184,15 @@ def main(argv: list[str] | None = None) -> None:
     concurrencies = [] if args.skip_load else list(map(int, args.load_concurrency.split(",")))
     offline, offline_load = {}, {}
     for threads in sorted({decode_threads(m) for m in modes}):
-        llm = offline_llm(loaded, threads, args.device)
+        llm = offline_llm(loaded, threads, args.device, args.weight_format)
         offline[threads] = offline_ms_per_token(llm, loaded, (1, 8), args.itl_tokens)
         offline_load[threads] = {
             c: offline_rate(llm, loaded, c, args.load_requests_c1 if c == 1 else args.load_requests, args)
             for c in concurrencies}
         del llm
         release_device_memory()  # the clusters below are other processes on the same device
-    up_args = [*(["--model", args.model] if args.model else []), "--device", args.device, *args.up_args.split()]
+    up_args = [*(["--model", args.model] if args.model else []), "--device", args.device,
+               *(["--weight-format", args.weight_format] if args.weight_format else []), *args.up_args.split()]
     served: dict[str, dict] = {}
     for mode in modes:
         with running_cluster([*MODES[mode], *up_args]) as cluster:
