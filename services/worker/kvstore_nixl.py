@@ -143,17 +143,21 @@ class NixlLoader:
             staging.busy = False
 
     def _retire(self, staging: NixlStaging) -> None:
-        """Loop thread: park a tainted region and make a fresh one (up to MAX_PARKED)."""
+        """Loop thread: park a tainted region and put a fresh one in its place (up to
+        MAX_PARKED). The tainted one stays in place while the fresh one registers (``load``
+        refuses it: gRPC meanwhile), so ``staging`` never reads None for a moment on the way
+        from one region to the next; None means NIXL was given up."""
         self._parked.append(staging)
-        self.staging = None
+        fresh = None
         if len(self._parked) > MAX_PARKED:
             log.warning("kvstore tier: %d NIXL READs abandoned at their deadline; loading over "
                         "gRPC from now on", len(self._parked))
-            return
-        try:
-            self.staging = NixlStaging(staging.compat, staging.num_blocks)
-        except KVTransferError as error:
-            log.warning("kvstore tier: no new NIXL staging region (%s); loading over gRPC", error)
+        else:
+            try:
+                fresh = NixlStaging(staging.compat, staging.num_blocks)
+            except KVTransferError as error:
+                log.warning("kvstore tier: no new NIXL staging region (%s); loading over gRPC", error)
+        self.staging = fresh
 
     def close(self) -> None:
         """Loop thread: deregister every region (the process is about to stop using them)."""
