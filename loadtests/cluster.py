@@ -159,9 +159,26 @@ class ProcessCpu:
                           self.engine_s - earlier.engine_s)
 
 
-def _cpu_s(stat: str) -> float:
+def _stat_cpu_s(stat: str) -> float:
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of ``pid`` so far (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return _stat_cpu_s(f.read())
+
+
+def thread_cpu_seconds(pid: int) -> dict[tuple[int, str], float]:
+    """{(tid, OS thread name): CPU seconds so far} of ``pid``'s live threads."""
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # the thread ended
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            seconds[(int(tid), stat[stat.index("(") + 1:stat.rindex(")")])] = _stat_cpu_s(stat)
+    return seconds
 
 
 def host_cpu(root_pid: int) -> dict[int, ProcessCpu]:
@@ -182,17 +199,9 @@ def host_cpu(root_pid: int) -> dict[int, ProcessCpu]:
         with contextlib.suppress(OSError, IndexError, ValueError):
             with open(f"/proc/{pid}/cmdline") as f:
                 command = f.read().replace("\0", " ")
-            with open(f"/proc/{pid}/stat") as f:
-                total = _cpu_s(f.read())
-            main = engine = 0.0
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        stat = f.read()
-                    if int(tid) == pid:
-                        main = _cpu_s(stat)
-                    elif stat[stat.index("(") + 1:stat.rindex(")")] == ENGINE_THREAD:
-                        engine += _cpu_s(stat)
+            total, threads = cpu_seconds(pid), thread_cpu_seconds(pid)
+            main = sum(s for (tid, _), s in threads.items() if tid == pid)
+            engine = sum(s for (_, name), s in threads.items() if name == ENGINE_THREAD)
             role = next((name for key, name in _ROLES if key in command), "other")
             result[pid] = ProcessCpu(role, total, main, engine)
     return result

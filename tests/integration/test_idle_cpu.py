@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.cluster import cpu_seconds
+from loadtests.cluster import thread_cpu_seconds as thread_cpu_seconds_by_id
 from tests.integration.cluster_fixtures import (
     REPO,
     WorkerProcess,
@@ -37,26 +39,9 @@ SETTLE_S = 3.0  # after SERVING: first health/stats polls, lazy imports, the mod
 MAX_CORE_FRACTION = 0.02
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of every thread of ``pid`` so far (``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """{'<tid> <name>': CPU seconds} for the failure message: which thread spins."""
-    seconds = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                raw = stat.read()
-        except OSError:  # the thread ended
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")]
-        fields = raw.rsplit(")", 1)[1].split()
-        seconds[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return seconds
+    return {f"{tid} {name}": seconds for (tid, name), seconds in thread_cpu_seconds_by_id(pid).items()}
 
 
 def start_colocated(log_dir: Path) -> WorkerProcess:
