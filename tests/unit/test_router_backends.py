@@ -125,3 +125,51 @@ def test_the_load_policy_is_the_null_planner():
     assert policy.decisions.snapshot() == {"remote/load": 1}
     policy.finish("r")
     policy.close()
+
+
+class FakePlacement:
+    """Places every sample on ``pairs`` in order (an address already excluded is skipped)."""
+
+    def __init__(self, prefill: list[Worker], decode: list[Worker]) -> None:
+        self.workers = {"prefill": prefill, "decode": decode}
+
+    def planned(self, role, plan, excluded):
+        return None
+
+    def pick(self, role, prompt, excluded, last_error=None):
+        for worker in self.workers[role]:
+            if worker.address not in excluded:
+                return worker
+        raise Overloaded(f"no {role} worker left")
+
+
+class PrefillStub:
+    """Prefill calls answered by ``replies`` in turn; each call records both workers' open
+    counts as they were when it was made (what a GetStats answered then could hold)."""
+
+    def __init__(self, workers: list[Worker], replies: list) -> None:
+        self.workers, self.replies, self.seen = workers, list(replies), []
+
+    def Prefill(self, request, timeout=None):
+        self.seen.append([w.local for w in self.workers])
+        return FakeCall([self.replies.pop(0)])
+
+
+def test_start_prefill_counts_the_sample_before_either_worker_sees_it():
+    """The load estimate (worker_pool.py) needs every request begun before a worker can hold it;
+    an attempt that failed ends its share, and a retry on another pair begins a new one."""
+    from services.router.backends.prefill_start import KVFullWait, PrefillSettings, start_prefill
+
+    p0, p1, d0 = Worker("127.0.0.1:1", "prefill"), Worker("127.0.0.1:2", "prefill"), decode_worker()
+    stub = PrefillStub([p0, p1, d0], [rpc_error(grpc.StatusCode.UNAVAILABLE),
+                                      worker_pb2.PrefillResponse(request_id="r")])
+    p0.prefill = p1.prefill = stub  # type: ignore[attr-defined]
+    settings = PrefillSettings(worker_pb2.KV_TRANSFER_METHOD_GRPC)
+    started = asyncio.run(start_prefill(sample(), None, FakePlacement([p0, p1], [d0]),  # type: ignore[arg-type]
+                                        settings, KVFullWait(0.0)))
+    assert stub.seen == [[[1, 3, 1], [0, 0, 0], [1, 0, 1]],   # p0, then p0 failed: its share ended
+                         [[0, 0, 0], [1, 3, 1], [1, 0, 1]]]
+    assert started.prefill is p1 and p0.local == [0, 0, 0]
+    started.on_prefill.end()
+    started.on_decode.end()
+    assert p1.local == d0.local == [0, 0, 0]

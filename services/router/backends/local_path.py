@@ -39,13 +39,14 @@ class LocalPath:
 
     async def run(self, sample: Sample, decode: Worker, plan: RoutePlan) -> AsyncGenerator[TokenEvent, None]:
         """Token events of ``sample`` served by ``decode`` alone (module docstring)."""
-        call = decode.decode.Generate(worker_pb2.GenerateLocalRequest(
-            request_id=sample.request_id, prompt_token_ids=sample.prompt,
-            sampling_params=sample.wire_params), timeout=remaining_s(self.decode_timeout_s))
-        # the decode worker computes only what it does not hold (the plan's index view)
+        # the decode worker computes only what it does not hold (the plan's index view); begun
+        # before the call is made, so a load poll never holds the sample uncounted
         num_prompt_tokens = len(sample.prompt)
         in_flight = decode.begin(prefill_tokens=num_prompt_tokens - plan.num_decode_cached_tokens,
                                  blocks=cdiv(num_prompt_tokens, decode.block_size))
+        call = decode.decode.Generate(worker_pb2.GenerateLocalRequest(
+            request_id=sample.request_id, prompt_token_ids=sample.prompt,
+            sampling_params=sample.wire_params), timeout=remaining_s(self.decode_timeout_s))
         stream = DecodeStream(call, decode, sample, in_flight)
         try:
             try:

@@ -103,8 +103,9 @@ class Migration:
         for _ in range(len(self.placement.pool.workers["decode"])):
             decode = self.placement.pick("decode", prompt, excluded, last_error)
             excluded.add(decode.address)
+            in_flight = decode.begin(prefill_tokens=len(prompt))  # before the worker sees it
             call = decode.decode.Generate(request, timeout=remaining_s(self.decode_timeout_s))
-            stream = DecodeStream(call, decode, sample, decode.begin(prefill_tokens=len(prompt)))
+            stream = DecodeStream(call, decode, sample, in_flight)
             try:
                 try:
                     await stream.open()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.mathutils import cdiv
 from services.common.pb import worker_pb2
 from services.router.backends.placement import Placement
 from services.router.backends.sample import Sample
@@ -36,7 +37,7 @@ from services.router.backends.worker_errors import (
 from services.router.deadline import remaining_s
 from services.router.errors import BackendError, Overloaded
 from services.router.routing.route_plan import RoutePlan
-from services.router.routing.worker_pool import Worker
+from services.router.routing.worker_pool import InFlight, Worker
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class StartedPrefill:
     decode: Worker
     call: grpc.aio.UnaryStreamCall
     first: worker_pb2.PrefillResponse  # the call's first event
+    # the sample's share of each worker's load (worker_pool.py), begun before the call was sent
+    on_prefill: InFlight
+    on_decode: InFlight
 
 
 class KVFullWait:
@@ -96,16 +100,17 @@ async def start_prefill(sample: Sample, plan: RoutePlan | None, placement: Place
             excluded["decode"].clear()
             last_error = None
             continue
+        # begun before the workers can see the sample, so a load poll never holds it uncounted
+        shares = (prefill.begin(prefill_tokens=len(prompt), blocks=cdiv(len(prompt), prefill.block_size)),
+                  decode.begin(blocks=cdiv(len(prompt), decode.block_size)))
         call = prefill.prefill.Prefill(worker_pb2.PrefillRequest(
             request_id=sample.request_id, prompt_token_ids=prompt, sampling_params=sample.wire_params,
             decode=worker_pb2.DecodeTarget(worker_id=decode.worker_id, address=decode.address),
             transfer_method=settings.transfer_method), timeout=remaining_s(settings.timeout_s))
         try:
             first = await call.read()
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
         except grpc.aio.AioRpcError as exc:
+            _end(shares)
             code, last_error = exc.code(), exc
             if code not in RETRYABLE:
                 raise worker_error(prefill, exc, is_started=False) from exc
@@ -117,7 +122,17 @@ async def start_prefill(sample: Sample, plan: RoutePlan | None, placement: Place
                 mark_if_unavailable(prefill, exc)
                 excluded["prefill"].add(prefill.address)
             continue
+        except BaseException:  # cancelled
+            _end(shares)
+            call.cancel()
+            raise
         if first is grpc.aio.EOF:
+            _end(shares)
             raise BackendError(f"prefill worker {prefill.address} ended {sample.request_id!r} "
                                "without any event")
-        return StartedPrefill(prefill, decode, call, first)
+        return StartedPrefill(prefill, decode, call, first, *shares)
+
+
+def _end(shares: tuple[InFlight, ...]) -> None:
+    for share in shares:
+        share.end()

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from engine.mathutils import cdiv
 from services.common.pb import worker_pb2
 from services.common.wire import (
     finish_from_proto,
@@ -77,9 +76,7 @@ class RemotePath:
         kv_wait = KVFullWait(remaining_s(self.prefill_settings.kv_full_wait_s), self._count_kv_wait)
         started = await start_prefill(sample, plan, self.placement, self.prefill_settings, kv_wait)
         prefill, decode, call = started.prefill, started.decode, started.call
-        prompt = sample.prompt
-        on_prefill = prefill.begin(prefill_tokens=len(prompt), blocks=cdiv(len(prompt), prefill.block_size))
-        on_decode = decode.begin(blocks=cdiv(len(prompt), decode.block_size))
+        on_prefill, on_decode = started.on_prefill, started.on_decode
         reservation_id: str | None = None
         transfer = TransferSeen()
         prefill_rest: asyncio.Future[None] | None = None

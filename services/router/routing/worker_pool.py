@@ -10,8 +10,15 @@ worker (the stream breaks) takes it out of routing at once, not at the next poll
 stream is reopened after ``poll_interval_s``. An idle stream costs nothing.
 
 Load between polls: GetStats is a snapshot, so each worker also counts what this router has
-in flight on it (requests, prompt tokens not prefilled yet, reserved blocks). The estimate the
-policy sees is the snapshot plus the change in those counts since the snapshot was taken.
+in flight on it (requests, prompt tokens not prefilled yet, reserved blocks), as running sums of
+what began and what ended. The estimate the policy sees is the snapshot, plus what began after
+the reply came, less what ended after the poll was sent. A request is begun before the worker
+can see it and ended after the worker let it go, so a request the snapshot holds began before
+the reply and ended after the send: it comes off the estimate when it ends (counting begins
+only up to the send, a request begun during the poll's round trip stayed in the estimate after
+it ended, until the next poll, and the next request sharing its prefix went elsewhere). The
+error left is an undercount, never below zero: a request begun during the round trip that the
+worker had not seen yet, or one ended during it that the worker had already let go.
 """
 
 from __future__ import annotations
@@ -34,25 +41,26 @@ STATS_BLOCK_SIZE_UNSET = 16  # a worker's block size before its first GetStats a
 
 
 class InFlight:
-    """One request's share of a worker's local counts; ``end_prefill`` and ``end`` are
-    idempotent."""
+    """One request's share of a worker's counts: begun before the request is sent to the worker,
+    ended after the worker let it go (its prompt tokens at its first token, ``end_prefill``).
+    ``end_prefill`` and ``end`` are idempotent."""
 
     def __init__(self, worker: Worker, prefill_tokens: int, blocks: int) -> None:
         self.worker, self.prefill_tokens, self.blocks = worker, prefill_tokens, blocks
         self.is_open = True
-        worker.local[0] += 1
-        worker.local[1] += prefill_tokens
-        worker.local[2] += blocks
+        worker.begun[0] += 1
+        worker.begun[1] += prefill_tokens
+        worker.begun[2] += blocks
 
     def end_prefill(self) -> None:
-        self.worker.local[1] -= self.prefill_tokens
+        self.worker.ended[1] += self.prefill_tokens
         self.prefill_tokens = 0
 
     def end(self) -> None:
         if self.is_open:
             self.end_prefill()
-            self.worker.local[0] -= 1
-            self.worker.local[2] -= self.blocks
+            self.worker.ended[0] += 1
+            self.worker.ended[2] += self.blocks
             self.is_open = False
 
 
@@ -64,8 +72,12 @@ class Worker:
         self.is_healthy = False
         self.status = "not checked yet"
         self.stats = worker_pb2.WorkerStats()
-        self.local = [0, 0, 0]  # requests, prompt tokens not prefilled, blocks: this router's
-        self._local_at_poll = [0, 0, 0]
+        # this router's requests, prompt tokens, blocks: begun and ended so far (running sums),
+        # and the sums the last poll's snapshot holds (module docstring)
+        self.begun = [0, 0, 0]
+        self.ended = [0, 0, 0]
+        self._begun_at_poll = [0, 0, 0]  # when its reply came
+        self._ended_at_poll = [0, 0, 0]  # when it was sent
         self._num_slow_polls = 0  # health polls in a row that timed out
 
     def connect(self) -> None:
@@ -82,6 +94,11 @@ class Worker:
         return self.stats.worker_id
 
     @property
+    def local(self) -> list[int]:
+        """This router's requests, prompt tokens not prefilled, and blocks open on the worker."""
+        return [b - e for b, e in zip(self.begun, self.ended)]
+
+    @property
     def block_size(self) -> int:
         return self.stats.block_size or STATS_BLOCK_SIZE_UNSET
 
@@ -94,13 +111,15 @@ class Worker:
         self.is_healthy, self.status = False, reason
 
     def load(self) -> WorkerLoad:
-        """The last poll's stats corrected by what this router began and ended since. A request
-        that ended since was counted running or waiting (a decode worker's request waits for
-        its KV): it comes off the running count first, then off the waiting one (correcting
-        only the running count left a request that was waiting at the poll queued until the
-        next one, and the next request sharing its prefix went to another worker)."""
+        """The last poll's stats corrected by what this router began and ended since (module
+        docstring). A request that ended since was counted running or waiting (a decode
+        worker's request waits for its KV): it comes off the running count first, then off the
+        waiting one (correcting only the running count left a request that was waiting at the
+        poll queued until the next one, and the next request sharing its prefix went to another
+        worker)."""
         s = self.stats
-        requests, tokens, blocks = (now - then for now, then in zip(self.local, self._local_at_poll))
+        requests, tokens, blocks = ((b - b0) - (e - e0) for b, b0, e, e0 in zip(
+            self.begun, self._begun_at_poll, self.ended, self._ended_at_poll))
         running = s.num_running_requests + requests
         return WorkerLoad(
             address=self.address,
@@ -118,7 +137,7 @@ class Worker:
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 self.mark_unhealthy(health_pb2.HealthCheckResponse.ServingStatus.Name(health.status))
                 return
-            local = list(self.local)
+            ended = list(self.ended)
             stats = await self._stats_stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -128,7 +147,7 @@ class Worker:
             self.mark_unhealthy(f"{exc.code().name}: {exc.details()}")
             return
         self._num_slow_polls = 0
-        self.stats, self._local_at_poll = stats, local
+        self.stats, self._begun_at_poll, self._ended_at_poll = stats, list(self.begun), ended
         if not self.is_healthy:
             log.info("%s worker %s (%s) is healthy", self.role, self.address, stats.worker_id)
         self.is_healthy, self.status = True, "SERVING"
