@@ -12,7 +12,9 @@ handshake over ``KVTransferService.Handshake``, ``send_blocks``, ``poll``):
     nixl-lo   NixlKVSender -> NixlKVReceiver with UCX_NET_DEVICES=lo; UCX picks the
               transports (on one host: cma for the data, tcp for the notification)
     nixl-tcp  the same with UCX_TLS=tcp: the data goes over loopback TCP too
-    grpc      GrpcKVSender -> KVTransferServicer.PushBlocks (4 MiB chunks), no NIXL loaded
+    grpc      GrpcKVSender -> KVTransferServicer.PushBlocks, no NIXL loaded: on one host the
+              payload through a shared-memory segment, its name over gRPC (the default)
+    grpc-bytes  the same with ``--kv-shared-memory off``: the bytes in 4 MiB messages
 
 Set ``UCX_PROTO_INFO=y`` to have UCX print which transport each NIXL pair used.
 
@@ -72,8 +74,14 @@ class Method:
 METHODS = {
     "nixl-lo": Method("nixl UCX lo", "nixl", (("UCX_NET_DEVICES", "lo"),)),
     "nixl-tcp": Method("nixl UCX tcp", "nixl", (("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"))),
-    "grpc": Method("grpc PushBlocks", "grpc"),
+    "grpc": Method("grpc PushBlocks shm", "grpc"),
+    "grpc-bytes": Method("grpc PushBlocks bytes", "grpc", (("PDSERVE_KV_SHARED_MEMORY", "off"),)),
 }
+
+
+def _shared_memory(env: dict[str, str]) -> bool:
+    """The workers' ``--kv-shared-memory``, from the method's environment."""
+    return env.get("PDSERVE_KV_SHARED_MEMORY", "auto") != "off"
 
 
 @dataclass
@@ -126,7 +134,8 @@ def _receiver_main(conn, transport: str, env: dict[str, str], num_blocks: int) -
 
     async def main() -> None:
         kv_cache = kv_cache_for(num_blocks)
-        receivers = make_receivers(transport, MODEL_CONFIG.name, kv_cache)  # (gRPC, NIXL?)
+        receivers = make_receivers(transport, MODEL_CONFIG.name, kv_cache,  # (gRPC, NIXL?)
+                                   _shared_memory(env))
         receiver = receivers[-1]
         servicer = KVTransferServicer(receivers[0], handshake_source=receiver)
         server = await start_grpc_server(
@@ -153,7 +162,8 @@ def _receiver_main(conn, transport: str, env: dict[str, str], num_blocks: int) -
                        digest(kv_cache, dst_ids), untouched_zero))
             notes = []
         await server.stop(0)
-        receiver.close()
+        for each in receivers:
+            each.close()
 
     asyncio.run(main())
 
@@ -166,7 +176,8 @@ def _sender_main(conn, transport: str, env: dict[str, str], num_blocks: int) -> 
     from services.prefill.kv_grpc_sender import fetch_remote_handshake
     from services.prefill.pusher import sender_factories
     kv_cache = random_kv_cache(num_blocks)
-    sender = sender_factories(transport, MODEL_CONFIG.name)[TRANSFER_METHODS[transport]]()
+    sender = sender_factories(transport, MODEL_CONFIG.name,
+                              _shared_memory(env))[TRANSFER_METHODS[transport]]()
     sender.register(kv_cache)
     address = conn.recv()
     remote = sender.connect(fetch_remote_handshake(address, sender.handshake_info()), address)

@@ -158,6 +158,7 @@ class KVHandshake:
     region: KVRegion
     agent_metadata: bytes = b""  # NIXL get_agent_metadata(); empty for the gRPC transport
     wire_version: int = KV_WIRE_VERSION
+    shm_probe: str = ""  # gRPC receiver: its shared-memory probe (services/worker/kv_shm.py)
 
     _HEADER: ClassVar[struct.Struct] = struct.Struct(">4sI")
     _MAGIC: ClassVar[bytes] = b"PDKV"
@@ -174,7 +175,8 @@ class KVHandshake:
     def to_bytes(self) -> bytes:
         """Self-describing encoding (JSON header + raw agent metadata) for out-of-band use."""
         header = json.dumps({"wire_version": self.wire_version, "agent_name": self.agent_name,
-                             "compat": asdict(self.compat), "region": asdict(self.region)}).encode()
+                             "compat": asdict(self.compat), "region": asdict(self.region),
+                             "shm_probe": self.shm_probe}).encode()
         return self._HEADER.pack(self._MAGIC, len(header)) + header + self.agent_metadata
 
     @classmethod
@@ -188,7 +190,8 @@ class KVHandshake:
             return cls(compat=KVCompat(**header["compat"]), agent_name=header["agent_name"],
                        region=KVRegion(**header["region"]),
                        agent_metadata=bytes(data[start + header_len:]),
-                       wire_version=header["wire_version"])
+                       wire_version=header["wire_version"],
+                       shm_probe=str(header.get("shm_probe", "")))
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise KVTransferError(f"not a pdserve KV handshake ({type(exc).__name__}: {exc})") from exc
 

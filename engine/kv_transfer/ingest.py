@@ -34,11 +34,14 @@ class ChunkWriter:
             self._stream = torch.cuda.Stream(kv_cache.device)  # type: ignore[no-untyped-call]
             self._staging = torch.empty(max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
 
-    def write(self, dst_block_ids: Sequence[int], offset: int, data: bytes, crc: int = 0) -> int:
+    def write(self, dst_block_ids: Sequence[int], offset: int, data: bytes | np.ndarray,
+              crc: int | None = 0) -> int | None:
         """Write bytes ``[offset, offset + len(data))`` of a payload packed from
-        ``dst_block_ids``'s blocks (``write_packed_range``'s contract); returns ``crc`` updated
-        with ``data`` (zlib.crc32), computed on this thread too."""
-        crc = zlib.crc32(data, crc)
+        ``dst_block_ids``'s blocks (``write_packed_range``'s contract; ``data`` bytes or a flat
+        uint8 array); returns ``crc`` updated with ``data`` (zlib.crc32), computed on this
+        thread too, or None when ``crc`` is None (not checked)."""
+        if crc is not None:
+            crc = zlib.crc32(data if isinstance(data, bytes) else data.data, crc)
         if self._stream is None or self._staging is None:
             write_packed_range(self.kv_cache, dst_block_ids, offset, data)
             return crc

@@ -39,12 +39,21 @@ def _block_rows(kv_cache: torch.Tensor) -> np.ndarray | torch.Tensor:
     return rows.numpy() if rows.device.type == "cpu" else rows
 
 
-def pack_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    """Copy ``kv_cache[block_ids]`` to a flat CPU ``uint8`` tensor (a gather, then one copy)."""
+def pack_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int],
+                out: np.ndarray | None = None) -> torch.Tensor:
+    """Copy ``kv_cache[block_ids]`` to a flat CPU ``uint8`` tensor (a gather, then one copy).
+    ``out``: a CPU cache's blocks are gathered into this flat uint8 array of exactly their
+    size instead (a shared-memory segment: no fresh memory to fault in)."""
     rows = _block_rows(kv_cache)
     if isinstance(rows, np.ndarray):
-        gathered: np.ndarray = rows[np.asarray(block_ids, dtype=np.int64)]
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if out is not None:
+            np.take(rows, ids, axis=0, out=out.reshape(len(ids), rows.shape[1]))
+            return torch.from_numpy(out)
+        gathered: np.ndarray = rows[ids]
         return torch.from_numpy(gathered.reshape(-1))
+    if out is not None:
+        raise ValueError("pack_blocks: out= is for a CPU cache")
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
     return rows.index_select(0, index).reshape(-1).cpu()
 
@@ -106,7 +115,7 @@ def iter_chunks(packed: torch.Tensor, max_chunk_bytes: int) -> Iterator[tuple[in
         yield offset, flat[offset:offset + max_chunk_bytes].tobytes()
 
 
-def bytes_as_tensor(data: bytes) -> torch.Tensor:
+def bytes_as_tensor(data: bytes | np.ndarray) -> torch.Tensor:
     """A read-only ``uint8`` view of ``data`` without a copy (only ever read from)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
@@ -114,14 +123,15 @@ def bytes_as_tensor(data: bytes) -> torch.Tensor:
 
 
 def write_packed_range(kv_cache: torch.Tensor, dst_block_ids: Sequence[int], offset: int,
-                       data: bytes | torch.Tensor) -> None:
+                       data: bytes | np.ndarray | torch.Tensor) -> None:
     """Write bytes ``[offset, offset + len(data))`` of a packed payload into ``kv_cache``.
 
     Whole blocks inside the range go in with one scatter
     (``cache[dst_ids] = chunk.view(n, block_bytes)``); a partial block at either end is
     sliced. The caller has checked that the ids are valid and the range is inside
-    ``len(dst_block_ids) * block_bytes``. ``data`` may be a CPU ``uint8`` tensor: pinned, it
-    goes to a CUDA cache without blocking, on the current stream.
+    ``len(dst_block_ids) * block_bytes``. ``data`` may be a flat ``uint8`` numpy array (a
+    shared-memory view) or CPU tensor: a pinned tensor goes to a CUDA cache without blocking,
+    on the current stream.
     """
     if not len(data):
         return

@@ -8,8 +8,10 @@ Entries (comma-separated; each at most once):
 =====================================  ==========================================================
 ``kv_transfer:drop:P``                 a KV send fails at once with probability P (never sent)
 ``kv_transfer:delay_ms:N``             every KV send starts N ms late
-``kv_transfer:corrupt:P``              a gRPC KV push flips one payload byte with probability P
-                                       (the receiver's crc32 check must reject it)
+``kv_transfer:corrupt:P``              a gRPC KV push of bytes flips one payload byte with
+                                       probability P (the receiver's crc32 check must reject
+                                       it; a same-host push through shared memory has no
+                                       transit to corrupt)
 ``kill:decode:after_tokens=N``         a decode worker SIGKILLs itself once it has streamed N
                                        tokens of one request (Decode or Generate)
 ``kill:prefill:before_first_token=N``  a prefill worker SIGKILLs itself at its N-th request,

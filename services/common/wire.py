@@ -266,7 +266,8 @@ def handshake_to_proto(h: KVHandshake) -> kv_pb2.KVHandshake:
         compat_hash=c.hash, agent_name=h.agent_name, agent_metadata=h.agent_metadata,
         region=kv_pb2.KVRegion(mem_type=_MEM_TYPES[r.mem_type], base_addr=r.base_addr,
                                device_id=r.device_id, num_blocks=r.num_blocks,
-                               block_bytes=r.block_bytes))
+                               block_bytes=r.block_bytes),
+        shm_probe=h.shm_probe)
 
 
 def handshake_from_proto(msg: kv_pb2.KVHandshake) -> KVHandshake:
@@ -279,7 +280,8 @@ def handshake_from_proto(msg: kv_pb2.KVHandshake) -> KVHandshake:
         agent_name=msg.agent_name, agent_metadata=msg.agent_metadata,
         region=KVRegion(mem_type=_MEM_NAMES.get(r.mem_type, "DRAM"), base_addr=r.base_addr,
                         device_id=r.device_id, num_blocks=r.num_blocks,
-                        block_bytes=r.block_bytes))
+                        block_bytes=r.block_bytes),
+        shm_probe=msg.shm_probe)
 
 
 # ---- prefix-cache tiers in WorkerStats ------------------------------------------------------

@@ -101,7 +101,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     async def start(self) -> list[AddServicer]:
         self.receivers = make_receivers(self.runtime.args.transfer, self.runtime.model_name,
-                                        self.engine.kv_cache)
+                                        self.engine.kv_cache,
+                                        self.runtime.args.kv_shared_memory == "auto")
         grpc_receiver = next(r for r in self.receivers if isinstance(r, GrpcKVReceiver))
         kv_servicer = GuardedKVTransferServicer(grpc_receiver, self.receivers[-1], self.reservations)
         self._housekeeper = asyncio.get_running_loop().create_task(self._housekeep())

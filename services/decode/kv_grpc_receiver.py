@@ -3,12 +3,16 @@
 ``PushBlocks`` takes a client stream of a header, then the packed bytes (packing.py) in
 chunks, written straight into the reserved blocks as they arrive, each on a worker thread
 (engine/kv_transfer/ingest.py: on CUDA through pinned staging on a side stream); the receiver
-queues one notification per finished push for the decode handler to drain.
+queues one notification per finished push for the decode handler to drain. A sender on this
+host sends the header alone, naming its shared-memory segment (``shm_name``,
+services/worker/kv_shm.py): the payload is copied from there, once, in the same way; the
+``Handshake`` reply carries the probe that tells a sender whether it may.
 
 Errors (services/common/errors.py): FailedPrecondition when the peers are incompatible (the
 message names each differing field, both sides' values), InvalidArgument for bad block ids or
-a malformed stream, DataLoss for a payload whose crc32 differs; DEADLINE_EXCEEDED / CANCELLED
-as gRPC reports them.
+a malformed stream or shared-memory range, FailedPrecondition for a segment that is not on
+this host, DataLoss for a payload whose crc32 differs; DEADLINE_EXCEEDED / CANCELLED as gRPC
+reports them.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from engine.kv_transfer.base import KVHandshake, KVNotification, KVReceiver, KVTransferError
 from engine.kv_transfer.ingest import ChunkWriter
@@ -28,17 +35,38 @@ from services.common.grpc_server import CHUNK_BYTES
 from services.common.pb import kv_pb2, kv_pb2_grpc
 from services.common.wire import handshake_from_proto, handshake_to_proto
 from services.worker.kv_grpc import GrpcEndpoint
+from services.worker.kv_shm import SHM_DIR, ShmProbe, ShmReader
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class GrpcKVReceiver(GrpcEndpoint, KVReceiver):
     """Decode side of the gRPC transport. The servicer writes; the engine drains notifications."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, shared_memory: bool = True, shm_dir: Path = SHM_DIR) -> None:
         super().__init__(model_name, "decode")
         self._landed: collections.deque[KVNotification] = collections.deque()  # thread-safe
+        self.shm_reader = ShmReader(shm_dir)
+        self._probe: ShmProbe | None = None
+        if shared_memory:
+            try:
+                self._probe = ShmProbe(shm_dir)
+            except OSError as exc:  # no /dev/shm here: every push comes as bytes
+                log.warning("KV pushes from this host come as gRPC bytes: no probe in %s (%s)",
+                            shm_dir, exc)
+
+    @property
+    def shm_probe(self) -> str:
+        """The handshake's probe ("" when pushes must come as bytes)."""
+        return self._probe.advert if self._probe is not None else ""
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+        super().close()
 
     def completed_requests(self) -> list[KVNotification]:
         drained = []
@@ -65,7 +93,9 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
             local.check_compatible(handshake_from_proto(request), sides=("receiver", "sender"))
         except KVTransferError as exc:
             raise FailedPrecondition(str(exc)) from exc
-        return handshake_to_proto(local)
+        reply = handshake_to_proto(local)
+        reply.shm_probe = self.receiver.shm_probe  # PushBlocks is this servicer's, whoever answers
+        return reply
 
     async def PushBlocks(self, request_iterator: AsyncIterator[kv_pb2.PushBlocksChunk],
                          context: grpc.aio.ServicerContext) -> kv_pb2.PushBlocksAck:
@@ -74,7 +104,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
         assert kv_cache is not None  # handshake_info() above raised unless registered
         header: kv_pb2.PushBlocksHeader | None = None
         dst_block_ids: list[int] = []
-        received = crc = 0
+        received = 0
+        crc: int | None = 0
         async for chunk in request_iterator:
             if header is None:
                 if not chunk.HasField("header"):
@@ -84,6 +115,11 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
                 dst_block_ids = list(header.dst_block_ids)
             elif chunk.HasField("header"):
                 raise InvalidArgument("PushBlocks: only the first chunk may carry a header")
+            if header.shm_name:
+                if chunk.data:
+                    raise InvalidArgument("PushBlocks: a push through shared memory "
+                                          f"({header.shm_name!r}) carries no data chunks")
+                continue
             if not chunk.data:
                 continue
             if chunk.offset != received or received + len(chunk.data) > header.total_bytes:
@@ -94,6 +130,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
             received += len(chunk.data)
         if header is None:
             raise InvalidArgument("PushBlocks: empty stream")
+        if header.shm_name:
+            received = await self._write_shared(kv_cache, dst_block_ids, header)
         if received != header.total_bytes:
             raise InvalidArgument(f"PushBlocks: stream ended after {received} of "
                                   f"{header.total_bytes} bytes")
@@ -108,11 +146,26 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServiceServicer):
                                     num_bytes=received)
 
 
-    async def _write(self, kv_cache: torch.Tensor, dst_block_ids: list[int], offset: int, data: bytes,
-                     crc: int) -> int:
+    async def _write_shared(self, kv_cache: torch.Tensor, dst_block_ids: list[int],
+                            header: kv_pb2.PushBlocksHeader) -> int:
+        """The payload from the sender's shared-memory segment into the cache; returns its size."""
+        try:
+            payload = self.receiver.shm_reader.view(header.shm_name, header.shm_offset,
+                                                    header.total_bytes)
+        except ValueError as exc:
+            raise InvalidArgument(f"PushBlocks: {exc}") from exc
+        except OSError as exc:
+            raise FailedPrecondition(f"PushBlocks: shared-memory segment {header.shm_name!r} is "
+                                     f"not readable here ({exc}); push the bytes") from exc
+        await self._write(kv_cache, dst_block_ids, 0, payload, None)
+        return payload.size
+
+    async def _write(self, kv_cache: torch.Tensor, dst_block_ids: list[int], offset: int,
+                     data: bytes | np.ndarray, crc: int | None) -> int | None:
         """One chunk into the cache on a worker thread, off the event loop that serves every
-        stream of this worker (ingest.py); returns the crc32 so far. A cancelled push still
-        waits for the chunk in flight: its blocks are released only after the last write."""
+        stream of this worker (ingest.py); returns the crc32 so far (None: not computed). A
+        cancelled push still waits for the chunk in flight: its blocks are released only after
+        the last write."""
         if self._chunk_writer is None or self._chunk_writer.kv_cache is not kv_cache:
             self._chunk_writer = ChunkWriter(kv_cache, CHUNK_BYTES)
         written = asyncio.get_running_loop().run_in_executor(

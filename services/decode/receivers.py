@@ -13,10 +13,12 @@ from engine.kv_transfer.base import KVReceiver
 from services.decode.kv_grpc_receiver import GrpcKVReceiver
 
 
-def make_receivers(transfer: str, model_name: str, kv_cache: torch.Tensor) -> tuple[KVReceiver, ...]:
-    """Decode side: (gRPC receiver, NIXL receiver?) registered on ``kv_cache``. Raises
+def make_receivers(transfer: str, model_name: str, kv_cache: torch.Tensor,
+                   shared_memory: bool = True) -> tuple[KVReceiver, ...]:
+    """Decode side: (gRPC receiver, NIXL receiver?) registered on ``kv_cache``; the gRPC one
+    takes same-host pushes through shared memory unless ``shared_memory`` is False. Raises
     KVTransferError (saying to use --transfer grpc) when NIXL is asked for but unusable."""
-    receivers: list[KVReceiver] = [GrpcKVReceiver(model_name)]
+    receivers: list[KVReceiver] = [GrpcKVReceiver(model_name, shared_memory)]
     if transfer == "nixl":
         from engine.kv_transfer.nixl import NixlKVReceiver
         receivers.append(NixlKVReceiver(model_name))

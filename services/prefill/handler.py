@@ -101,8 +101,9 @@ class PrefillWorker(RoleHandler, worker_pb2_grpc.PrefillServiceServicer):
 
     async def start(self) -> list[AddServicer]:
         kv_cache = self.runtime.engine.kv_cache
-        for method, factory in sender_factories(self.runtime.args.transfer,
-                                                self.runtime.model_name).items():
+        shared_memory = self.runtime.args.kv_shared_memory == "auto"
+        for method, factory in sender_factories(self.runtime.args.transfer, self.runtime.model_name,
+                                                shared_memory).items():
             self.pushers[method] = await KVPusher.create(factory, kv_cache)
         return [(worker_pb2_grpc.add_PrefillServiceServicer_to_server, self)]
 

@@ -7,10 +7,12 @@ Raises KVTransferError for incompatible peers or bad block ids; a failed push is
 
 from __future__ import annotations
 
+import logging
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import torch
@@ -24,7 +26,7 @@ from engine.kv_transfer.base import (
     TransferState,
     check_send_args,
 )
-from engine.kv_transfer.packing import PackedBlocks, gather_blocks, iter_chunks
+from engine.kv_transfer.packing import PackedBlocks, gather_blocks, iter_chunks, pack_blocks
 from services.common.channels import internal_sync_channel
 from services.common.faults import faults
 from services.common.grpc_server import MAX_MESSAGE_BYTES, PEER_CHANNEL_OPTIONS
@@ -36,6 +38,9 @@ from services.worker.kv_grpc import (
     DEFAULT_PUSH_TIMEOUT_S,
     GrpcEndpoint,
 )
+from services.worker.kv_shm import SHM_DIR, Segment, ShmArena, ShmUnavailable, probe_visible
+
+log = logging.getLogger(__name__)
 
 
 def fetch_remote_handshake(address: str, local: KVHandshake,
@@ -62,10 +67,15 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
     copy) and streams them in the background, where a push thread waits for the copy and
     checksums the payload; ``poll`` reports the result. The source blocks must stay allocated
     until then (``KVPusher.send``).
+
+    To a receiver whose shared-memory probe this process can read (same host, ``connect``), the
+    push thread copies the payload into a segment of its own instead and sends the header
+    alone (services/worker/kv_shm.py); ``shared_memory=False`` always pushes bytes.
     """
 
     def __init__(self, model_name: str, *, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = DEFAULT_PUSH_TIMEOUT_S, max_concurrent_pushes: int = 4) -> None:
+                 timeout_s: float = DEFAULT_PUSH_TIMEOUT_S, max_concurrent_pushes: int = 4,
+                 shared_memory: bool = True, shm_dir: Path = SHM_DIR) -> None:
         if not 0 < max_chunk_bytes <= MAX_MESSAGE_BYTES // 2:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_MESSAGE_BYTES // 2}], "
                              f"got {max_chunk_bytes}")
@@ -77,12 +87,22 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         self._channels_lock = threading.Lock()
         self._pushes: dict[int, Future[kv_pb2.PushBlocksAck]] = {}
         self._stream: torch.cuda.Stream | None = None  # CUDA: where payloads are gathered
+        self.shm_dir = shm_dir
+        self._arena = ShmArena(shm_dir, max_free=max_concurrent_pushes) if shared_memory else None
+        self._shared: dict[str, bool] = {}  # receiver address -> push through shared memory
+        self._warned_shm = False
 
     def connect(self, remote: KVHandshake, address: str = "") -> RemoteInfo:
         if not address:
             raise KVTransferError("the gRPC transport needs the receiver's address (host:port)")
         self.handshake_info().check_compatible(remote, sides=("sender", "receiver"))
+        self._shared[address] = (self._arena is not None and bool(remote.shm_probe)
+                                 and probe_visible(remote.shm_probe, self.shm_dir))
         return RemoteInfo(handshake=remote, address=address, peer_name=remote.agent_name)
+
+    def is_shared(self, address: str) -> bool:
+        """Whether pushes to ``address`` go through shared memory (decided by ``connect``)."""
+        return self._shared.get(address, False)
 
     def send_blocks(self, request_id: str, src_block_ids: Sequence[int], remote: RemoteInfo,
                     dst_block_ids: Sequence[int]) -> TransferHandle:
@@ -91,8 +111,14 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         assert self.kv_cache is not None
         if self.kv_cache.is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(self.kv_cache.device)  # type: ignore[no-untyped-call]
-        # uint8 [n * block_bytes] in host memory; on CUDA still being copied when this returns
-        packed = gather_blocks(self.kv_cache, src_block_ids, self._stream)
+        nbytes = len(src_block_ids) * local.region.block_bytes
+        segment = self._segment(remote.address, nbytes)
+        if segment is not None and not self.kv_cache.is_cuda:  # gathered straight into it
+            packed = PackedBlocks(pack_blocks(self.kv_cache, src_block_ids, segment.array[:nbytes]))
+            in_segment = True
+        else:  # uint8 [nbytes] in host memory; on CUDA still being copied when this returns
+            packed = gather_blocks(self.kv_cache, src_block_ids, self._stream)
+            in_segment = False
         header = kv_pb2.PushBlocksHeader(
             request_id=request_id, dst_block_ids=list(dst_block_ids),
             compat_hash=local.compat.hash, dtype=local.compat.dtype,
@@ -100,7 +126,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             sender_agent_name=self.agent_name)
         handle = TransferHandle(request_id=request_id, num_blocks=len(src_block_ids))
         self._pushes[handle.transfer_id] = self._pool.submit(
-            self._push, remote.address, header, packed)
+            self._push, remote.address, header, packed, segment, in_segment)
         return handle
 
     def poll(self, handle: TransferHandle) -> TransferState:
@@ -119,6 +145,8 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._arena is not None:
+            self._arena.close()
         with self._channels_lock:
             for channel in self._channels.values():
                 channel.close()
@@ -131,10 +159,25 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *PEER_CHANNEL_OPTIONS])
             return self._channels[address]
 
-    def _push(self, address: str, header: kv_pb2.PushBlocksHeader,
-              packed: PackedBlocks) -> kv_pb2.PushBlocksAck:
-        """On a push thread: wait for the payload's copy, checksum it, stream it."""
+    def _push(self, address: str, header: kv_pb2.PushBlocksHeader, packed: PackedBlocks,
+              segment: Segment | None, in_segment: bool) -> kv_pb2.PushBlocksAck:
+        """On a push thread: wait for the payload's copy, then hand it over through shared
+        memory (``segment``: copied there unless ``in_segment``), or checksum it and stream it."""
         payload = packed.host()
+        stub = kv_pb2_grpc.KVTransferServiceStub(self._channel(address))
+        if segment is not None:
+            assert self._arena is not None  # _segment gives none without one
+            if not in_segment:
+                segment.array[:payload.numel()] = payload.numpy()
+            header.shm_name, header.shm_offset = segment.name, 0
+            try:
+                shared_ack: kv_pb2.PushBlocksAck = stub.PushBlocks(
+                    iter([kv_pb2.PushBlocksChunk(header=header)]), timeout=self.timeout_s)
+            except BaseException:
+                self._arena.release(segment, reuse=False)  # the receiver may still read it
+                raise
+            self._arena.release(segment, reuse=True)
+            return shared_ack
         # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12 (mypy checks as 3.10)
         header.crc32 = zlib.crc32(payload.numpy())  # type: ignore[arg-type]  # see above
 
@@ -143,6 +186,17 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             for offset, data in iter_chunks(payload, self.max_chunk_bytes):
                 yield kv_pb2.PushBlocksChunk(offset=offset, data=faults().kv_corrupted(data))
 
-        stub = kv_pb2_grpc.KVTransferServiceStub(self._channel(address))
         ack: kv_pb2.PushBlocksAck = stub.PushBlocks(chunks(), timeout=self.timeout_s)
         return ack
+
+    def _segment(self, address: str, nbytes: int) -> Segment | None:
+        """A shared-memory segment for a push to ``address``, or None: push bytes."""
+        if self._arena is None or not self._shared.get(address, False):
+            return None
+        try:
+            return self._arena.acquire(nbytes)
+        except ShmUnavailable as exc:  # /dev/shm full: this push goes as bytes
+            if not self._warned_shm:
+                log.warning("KV push as gRPC bytes: %s", exc)
+                self._warned_shm = True
+            return None

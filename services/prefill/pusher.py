@@ -34,10 +34,12 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.001  # between polls while transfers are in flight
 
 
-def sender_factories(transfer: str, model_name: str) -> dict[int, Callable[[], KVSender]]:
+def sender_factories(transfer: str, model_name: str,
+                     shared_memory: bool = True) -> dict[int, Callable[[], KVSender]]:
     from services.prefill.kv_grpc_sender import GrpcKVSender
 
-    factories: dict[int, Callable[[], KVSender]] = {GRPC: lambda: GrpcKVSender(model_name)}
+    factories: dict[int, Callable[[], KVSender]] = {
+        GRPC: lambda: GrpcKVSender(model_name, shared_memory=shared_memory)}
     if transfer == "nixl":
         from engine.kv_transfer.nixl import NixlKVSender
         factories[NIXL] = lambda: NixlKVSender(model_name)

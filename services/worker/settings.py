@@ -32,6 +32,10 @@ class WorkerFlags:
     worker_id: str = setting("", "name in stats and logs (default: role-port)")
     transfer: str = setting("nixl", "KV transport: nixl (one-sided writes over UCX; gRPC is "
                             "served as well) or grpc only", choices=TRANSFERS)
+    kv_shared_memory: str = setting(
+        "auto", "gRPC KV pushes between a prefill and a decode worker that share /dev/shm (one "
+        "host): auto (the payload through a shared-memory file, its name over gRPC) or off "
+        "(the bytes over gRPC)", choices=("auto", "off"))
     cpus: str = setting("", "pin to these CPUs, e.g. '0-3,6' (empty: no pinning)")
     core_share: str = setting("", "PATH:SLOT of a core-share file (pdserve up makes one for workers on "
                               "the same cores, engine/runner/core_share.py): each engine step on "

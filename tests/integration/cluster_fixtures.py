@@ -210,5 +210,6 @@ def prefill_into_receiver(prefill_address: str, request_id: str, prompt: list[in
                 raise AssertionError("the Prefill stream ended without an error")
         finally:
             await server.stop(0)
+            receiver.close()
 
     return asyncio.run(scenario())

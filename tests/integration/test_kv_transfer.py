@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -124,6 +125,7 @@ def _grpc_receiver_main(conn, model_name: str) -> None:
                 conn.send_bytes(raw(kv_cache))
             await asyncio.sleep(0.005)
         await server.stop(0)
+        receiver.close()
 
     asyncio.run(main())
 
@@ -171,21 +173,75 @@ def _wait(sender, handle, timeout_s: float = 30.0) -> TransferState:
     (50_000, [3, 9, 1], [40, 2, 17]),            # chunks split blocks (128 KiB) unevenly
     (4 * 1024 * 1024, list(range(40)), list(range(47, 7, -1))),  # 5 MiB: two 4 MiB messages
 ])
-def test_grpc_push_blocks_bytes_exact(grpc_receiver, max_chunk_bytes, src_ids, dst_ids):
+@pytest.mark.parametrize("path", ["bytes", "shared-memory", "probe-not-visible"])
+def test_grpc_push_blocks_bytes_exact(grpc_receiver, max_chunk_bytes, src_ids, dst_ids, path, tmp_path):
+    """The same blocks land whichever way the payload goes: as gRPC bytes (shared memory off),
+    through a shared-memory segment (the receiver's probe is readable here, as between two
+    workers on one host), or as bytes because the probe is not (the sender looks for it in
+    another directory, as a sender on another host would)."""
     from services.prefill.kv_grpc_sender import fetch_remote_handshake
     address, conn = grpc_receiver
-    sender = _grpc_sender(max_chunk_bytes=max_chunk_bytes)
+    options = {"bytes": {"shared_memory": False}, "shared-memory": {},
+               "probe-not-visible": {"shm_dir": tmp_path}}[path]
+    sender = _grpc_sender(max_chunk_bytes=max_chunk_bytes, **options)
     try:
         remote = sender.connect(fetch_remote_handshake(address, sender.handshake_info()), address)
         assert remote.handshake.region.num_blocks == SHAPE[0]
-        handle = sender.send_blocks(f"req-{max_chunk_bytes}", src_ids, remote, dst_ids)
-        assert _wait(sender, handle) is TransferState.DONE, handle.error
-        note, cache = _landed(conn)
+        assert remote.handshake.shm_probe  # the receiver offers it
+        assert sender.is_shared(address) is (path == "shared-memory")
+        for attempt in range(2):  # the second push reuses the first one's segment
+            request_id = f"req-{max_chunk_bytes}-{attempt}"
+            handle = sender.send_blocks(request_id, src_ids, remote, dst_ids)
+            assert _wait(sender, handle) is TransferState.DONE, handle.error
+            note, cache = _landed(conn)
+            assert note == {"request_id": request_id, "sender": sender.agent_name,
+                            "dst_block_ids": dst_ids}
+            assert raw(cache[dst_ids]) == raw(fake_kv_cache(seed=7)[src_ids])
+        segments = list(Path("/dev/shm").glob(f"{sender._arena._prefix}*")) if sender._arena else []
+        assert len(segments) == (1 if path == "shared-memory" else 0), segments
     finally:
         sender.close()
-    assert note == {"request_id": f"req-{max_chunk_bytes}", "sender": sender.agent_name,
-                    "dst_block_ids": dst_ids}
-    assert raw(cache[dst_ids]) == raw(fake_kv_cache(seed=7)[src_ids])
+    if sender._arena is not None:
+        assert not list(Path("/dev/shm").glob(f"{sender._arena._prefix}*")), "close() left segments"
+
+
+def test_grpc_push_refuses_a_bad_shared_memory_header(grpc_receiver):
+    """A header naming a file that is no pdserve segment, a range past its end, data chunks
+    beside a segment: INVALID_ARGUMENT naming it; a segment that is not on this host:
+    FAILED_PRECONDITION. Nothing is delivered."""
+    from services.common.pb import kv_pb2
+    from services.worker.kv_shm import ShmArena
+    address, conn = grpc_receiver
+    compat = KVCompat.from_kv_cache(MODEL, torch.zeros(SHAPE))
+    block_bytes = torch.zeros(SHAPE)[0].numel() * 4
+    header = kv_pb2.PushBlocksHeader(request_id="shm-bad", dst_block_ids=[5],
+                                     compat_hash=compat.hash, dtype="float32",
+                                     block_shape=list(compat.block_shape),
+                                     total_bytes=block_bytes, shm_name="../etc/passwd")
+    err = _push_raw(address, header, [])
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "'../etc/passwd' is not a pdserve KV segment" in err.details()
+
+    arena = ShmArena()
+    segment = arena.acquire(100)  # 1 MiB: smaller than two blocks at an offset
+    try:
+        header.shm_name, header.shm_offset = segment.name, segment.size - 10
+        err = _push_raw(address, header, [])
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"outside shm segment {segment.name!r} of {segment.size} bytes" in err.details()
+
+        header.shm_offset = 0
+        err = _push_raw(address, header, [kv_pb2.PushBlocksChunk(offset=0, data=b"\0" * 8)])
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "carries no data chunks" in err.details()
+
+        header.shm_name = segment.name[:-1] + "999"  # well formed, not there
+        err = _push_raw(address, header, [])
+        assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "is not readable here" in err.details()
+    finally:
+        arena.close()
+    assert not conn.poll(0.2), "a refused push was delivered"
 
 
 def test_grpc_handshake_mismatch_names_differing_fields(grpc_receiver):
@@ -289,7 +345,7 @@ def test_grpc_sender_with_corrupt_fault_fails_the_transfer(grpc_receiver, monkey
     address, conn = grpc_receiver
     monkeypatch.setenv("PDSERVE_FAULTS", "kv_transfer:corrupt:1")
     faults.cache_clear()
-    sender = _grpc_sender()
+    sender = _grpc_sender(shared_memory=False)  # bytes in transit: what the fault corrupts
     try:
         remote = sender.connect(fetch_remote_handshake(address, sender.handshake_info()), address)
         handle = sender.send_blocks("faulted", [1, 2], remote, [8, 9])
@@ -372,6 +428,7 @@ def _nixl_receiver_main(conn, env: dict[str, str]) -> None:
             await asyncio.sleep(0.01)
         await server.stop(0)
         receiver.close()
+        fallback.close()
 
     asyncio.run(main())
 

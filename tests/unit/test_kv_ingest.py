@@ -96,3 +96,22 @@ def test_a_gather_sees_what_the_engines_stream_queued_before_it():
     payload = gathered.host().view(torch.float32).view(2, -1)
     assert bool((payload[0] == 7.0).all()) and not payload[1].any()
 
+
+
+def test_a_shared_memory_payload_lands_unchecked_from_a_read_only_array(device):
+    """A same-host push (services/worker/kv_shm.py): the sender gathers into its segment
+    (``pack_blocks(out=)``), the receiver writes from a read-only view of it with no crc."""
+    import numpy as np
+
+    src = source_cache(torch.bfloat16)
+    src_ids, dst_ids = [5, 1, 9], [0, 4, 8]
+    nbytes = 3 * src[0].numel() * src.element_size()
+    segment = np.full(nbytes + 100, 7, dtype=np.uint8)  # bigger than the payload, as a segment is
+    packed = pack_blocks(src, src_ids, out=segment[:nbytes])
+    assert torch.equal(packed, pack_blocks(src, src_ids)) and (segment[nbytes:] == 7).all()
+    view = segment[:nbytes]
+    view.flags.writeable = False
+    dst = torch.zeros(SHAPE, dtype=torch.bfloat16, device=device)
+    assert ChunkWriter(dst, max_chunk_bytes=200).write(dst_ids, 0, view, None) is None
+    assert torch.equal(dst[dst_ids].cpu(), src[src_ids])
+    assert not dst[[i for i in range(SHAPE[0]) if i not in dst_ids]].any()
