@@ -329,11 +329,11 @@ def main(argv: list[str] | None = None) -> None:
           f"scattered block ids; median of timed sends after one warm-up; memcpy on one thread; "
           f"bytes checked for every method and size; {time.perf_counter() - started:.0f} s, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'method':16s} {'blocks':>6s} {'MB':>7s} {'GB/s':>7s} {'x memcpy':>9s} {'runs':>5s}")
+    print(f"{'method':21s} {'blocks':>6s} {'MB':>7s} {'GB/s':>7s} {'x memcpy':>9s} {'runs':>5s}")
     baseline = {r.num_blocks: r.gbps for r in rows if r.method == "memcpy (copy)"}
     for n in sizes:
         for row in (r for r in rows if r.num_blocks == n):
-            print(f"{row.method:16s} {n:6d} {n * BLOCK_BYTES / 1e6:7.1f} {row.gbps:7.2f} "
+            print(f"{row.method:21s} {n:6d} {n * BLOCK_BYTES / 1e6:7.1f} {row.gbps:7.2f} "
                   f"{row.gbps / baseline[n]:8.3f}x {len(row.seconds):5d}")
 
 
