@@ -41,7 +41,8 @@ from loadtests.prompts import distinct_prompts
 MODES = {
     "colocated": ["--colocated"],
     "nixl": ["--transfer", "nixl"],
-    "grpc": ["--transfer", "grpc"],
+    "grpc": ["--transfer", "grpc"],  # on one host the KV goes through shared memory
+    "grpc-bytes": ["--transfer", "grpc", "--worker-args", "--kv-shared-memory off"],  # as gRPC bytes
     "nixl-pinned": ["--transfer", "nixl", "--pin-cores"],
     "grpc-pinned": ["--transfer", "grpc", "--pin-cores"],
 }

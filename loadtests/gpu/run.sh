@@ -6,7 +6,8 @@
 #   KERNEL_TESTS=1 STAGES="env parity speed-smol speed-1b7 profile" SERVE=1 bash loadtests/gpu/run.sh
 # Each part has its own time limit (T_TESTS, T_BENCH, T_SERVE seconds) so that one hung part
 # cannot take the others' results with it; DEADLINE (seconds from the start) gives the served
-# load what is left of it.
+# load what is left of it; SERVE_MODES picks bench_serve's modes (default colocated,grpc; add
+# grpc-bytes for the gRPC push of bytes beside the same-host shared-memory one).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_out} MODELS_DIR=${MODELS_DIR:-/tmp/pdserve-models}
 export PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL=1
@@ -33,7 +34,7 @@ serve_s=${T_SERVE:-240}
 if [ -n "${DEADLINE:-}" ]; then serve_s=$(( DEADLINE - $(date +%s) + start )); fi
 if [ "${SERVE:-1}" = 1 ] && [ "$serve_s" -ge 90 ]; then
   model=$(ls -d "$MODELS_DIR"/smol1b7-bfloat16 2>/dev/null || ls -d "$MODELS_DIR"/smol135m-bfloat16)
-  timeout "$serve_s" python3 -m loadtests.bench_serve --model "$model" --device cuda --modes colocated,grpc \
+  timeout "$serve_s" python3 -m loadtests.bench_serve --model "$model" --device cuda --modes "${SERVE_MODES:-colocated,grpc}" \
     --load-concurrency 1,64 --load-requests 128 --load-prompt-len 128 --load-max-tokens 128 \
     --up-args "--kvstore-gib 0 --cpu-offload-gb 0" 2>&1 | tee "$OUT/bench_serve.txt"; elapsed
 fi
