@@ -44,6 +44,7 @@ _NAME = re.compile(r"pdserve-kv-[0-9]+-[0-9]+-[0-9a-f]+-[0-9]+")
 _PROBE_NAME = re.compile(r"pdserve-kv-[0-9]+-[0-9]+-[0-9a-f]+-probe")
 SEGMENT_ALIGN = 1 << 20  # a segment's size is rounded up to this
 MAX_FREE_SEGMENTS = 4  # segments an arena keeps for reuse (about its concurrent pushes)
+MAX_FREE_BYTES = 1 << 30  # and their bytes at most (a long prompt's push is removed after use)
 MAX_MAPPED = 16  # segments a reader keeps mapped
 
 
@@ -123,11 +124,16 @@ class Segment:
 
 class ShmArena:
     """The sender's segments: ``acquire`` one for a push, ``release`` it after the ack (to be
-    reused) or after a failure (removed: the receiver may still be reading it). Thread-safe."""
+    reused) or after a failure (removed: the receiver may still be reading it). At most
+    ``max_free`` segments of ``max_free_bytes`` in all are kept for reuse (the smallest go
+    first); a push holds its segment only while it runs, as a push of bytes holds its packed
+    payload. Thread-safe."""
 
-    def __init__(self, shm_dir: Path = SHM_DIR, max_free: int = MAX_FREE_SEGMENTS) -> None:
+    def __init__(self, shm_dir: Path = SHM_DIR, max_free: int = MAX_FREE_SEGMENTS,
+                 max_free_bytes: int = MAX_FREE_BYTES) -> None:
         self.shm_dir = shm_dir
         self.max_free = max_free
+        self.max_free_bytes = max_free_bytes
         self._prefix = f"{_owner()}{_token()}-"
         self._lock = threading.Lock()
         self._free: list[Segment] = []
@@ -167,15 +173,19 @@ class ShmArena:
         return segment
 
     def release(self, segment: Segment, reuse: bool) -> None:
+        removed = [segment]
         with self._lock:
             self._live.discard(segment)
             if reuse:
                 self._free.append(segment)
-                if len(self._free) <= self.max_free:
-                    return
-                segment = min(self._free, key=lambda s: s.size)
-                self._free.remove(segment)
-        self._remove(segment)
+                removed = []
+                while self._free and (len(self._free) > self.max_free
+                                      or sum(s.size for s in self._free) > self.max_free_bytes):
+                    smallest = min(self._free, key=lambda s: s.size)
+                    self._free.remove(smallest)
+                    removed.append(smallest)
+        for each in removed:
+            self._remove(each)
 
     def close(self) -> None:
         with self._lock:

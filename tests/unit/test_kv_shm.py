@@ -33,6 +33,19 @@ def test_an_arena_reuses_a_released_segment_and_removes_a_failed_one(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_an_arena_keeps_at_most_its_byte_budget_for_reuse(tmp_path):
+    arena = ShmArena(tmp_path, max_free=4, max_free_bytes=3 << 20)
+    small, big = arena.acquire(1 << 20), arena.acquire(4 << 20)  # a long prompt's push
+    arena.release(small, reuse=True)
+    arena.release(big, reuse=True)  # over the budget alone: removed (the small one first)
+    assert not list(tmp_path.iterdir())
+    a, b = arena.acquire(1 << 20), arena.acquire(1 << 20)
+    arena.release(a, reuse=True)
+    arena.release(b, reuse=True)
+    assert len(list(tmp_path.iterdir())) == 2  # 2 MiB: within it
+    arena.close()
+
+
 def test_an_arena_without_room_says_so(tmp_path):
     with pytest.raises(ShmUnavailable, match="cannot create"):
         ShmArena(tmp_path / "missing").acquire(10)
