@@ -7,6 +7,8 @@
     Decode            claim the reservation, wait (until its lease runs out) for every block
                       to land, then finish_remote_kv(first token) and stream tokens until the
                       request finishes
+    DecodeMany        many Decode calls on one stream, their outputs batched per message
+                      (``decode_many.py``: what a router uses)
     ReleaseBlocks     give a reservation back (prefill failed or was cancelled)
     Generate          a whole request here, prefill included (conditional disaggregation: the
                       router's choice when the uncached part of the prompt is short); the
@@ -29,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -55,10 +57,11 @@ from services.common.wire import (
     KV_SERVICE_NAME,
     params_from_proto,
 )
+from services.decode.decode_many import serve_decode_many
 from services.decode.generate_local import generate_local
 from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
-from services.decode.output_stream import OutputStream
+from services.decode.output_stream import OutputStream, Writer
 from services.decode.receivers import make_receivers
 from services.decode.reservations import LeaseState, Reservation, ReservationTable
 from services.worker.admission import QueueLimit
@@ -202,6 +205,15 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
             pending.done()
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
+        await self.decode(request, context)
+
+    async def DecodeMany(self, requests: AsyncIterator[worker_pb2.DecodeManyRequest],
+                         context: grpc.aio.ServicerContext) -> None:
+        await serve_decode_many(requests, context, self.decode)
+
+    async def decode(self, request: worker_pb2.DecodeRequest, context: Writer) -> None:
+        """One Decode call, its responses written to ``context`` (a call's, or a DecodeMany
+        stream's outbox); raises ServiceErrors."""
         try:
             reservation = self.reservations.claim(request.reservation_id)
         except KeyError:

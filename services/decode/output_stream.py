@@ -16,9 +16,7 @@ injector (``PDSERVE_FAULTS=kill:decode:after_tokens=N``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-import grpc
+from typing import TYPE_CHECKING, Protocol
 
 from services.common.async_engine import AsyncEngine, OutputQueue
 from services.common.faults import faults
@@ -29,6 +27,13 @@ if TYPE_CHECKING:
     from engine.scheduler.output import RequestOutput
 
 
+class Writer(Protocol):
+    """Where responses go: a call's ``grpc.aio.ServicerContext``, or a DecodeMany stream's
+    outbox (decode_many.py)."""
+
+    async def write(self, message: worker_pb2.DecodeResponse) -> None: ...
+
+
 class OutputStream:
     def __init__(self, engine: AsyncEngine, request_id: str, queue: OutputQueue, num_streamed: int = 0) -> None:
         self.engine = engine
@@ -37,7 +42,7 @@ class OutputStream:
         self.num_streamed = num_streamed  # tokens the client has (a prefill worker may have sent the first)
         self.finished = False
 
-    async def write_all(self, context: grpc.aio.ServicerContext,
+    async def write_all(self, context: Writer,
                         on_output: Callable[[RequestOutput, worker_pb2.DecodeResponse], None]) -> None:
         while not self.finished:
             output = await self.engine.next_output(self.queue)

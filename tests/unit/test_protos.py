@@ -26,7 +26,7 @@ def test_services_and_streaming_shapes():
     assert _methods(worker_pb2, "PrefillService") == {"Prefill": (False, True)}
     assert _methods(worker_pb2, "DecodeService") == {
         "Decode": (False, True), "ReserveBlocks": (False, False), "ReleaseBlocks": (False, False),
-        "RenewReservation": (False, False), "Generate": (False, True)}
+        "RenewReservation": (False, False), "Generate": (False, True), "DecodeMany": (True, True)}
     assert _methods(worker_pb2, "WorkerService") == {"GetStats": (False, False)}
     assert _methods(kv_pb2, "KVTransferService") == {
         "Handshake": (False, False), "PushBlocks": (True, False)}

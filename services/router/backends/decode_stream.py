@@ -28,6 +28,7 @@ import grpc
 from services.common.pb import worker_pb2
 from services.common.wire import finish_from_proto, logprobs_list_from_proto
 from services.router.backends.backend import TokenEvent
+from services.router.backends.decode_mux import MuxCall
 from services.router.backends.sample import Sample
 from services.router.backends.worker_errors import WorkerLost, worker_error
 from services.router.routing.worker_pool import InFlight, Worker
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
 
 
 class DecodeStream:
-    def __init__(self, call: grpc.aio.UnaryStreamCall, worker: Worker, sample: Sample,
+    def __init__(self, call: grpc.aio.UnaryStreamCall | MuxCall, worker: Worker, sample: Sample,
                  in_flight: InFlight, alongside: asyncio.Future[None] | None = None) -> None:
         self.call = call
         self.worker = worker

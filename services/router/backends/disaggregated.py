@@ -91,7 +91,7 @@ class DisaggregatedBackend(Backend):
         await self._configure_policy()
 
     async def close(self) -> None:
-        self.remote.close()
+        await self.remote.close()
         await self.pool.close()
         self.policy.close()
 

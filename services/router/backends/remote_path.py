@@ -7,6 +7,10 @@ streams the rest::
     D.Decode(first token, reservation) ◀──────────────────────────────────────────┘
         ──▶ TokenEvents until a finish reason (DecodeStream)
 
+* The Decode call is a call on the router's DecodeMany stream to D (decode_mux.py): one
+  message per batch of outputs of all its calls, not one per token per call; each call keeps
+  its own deadline, cancellation and status.
+
 * The first token ends the sample (EOS, stop token, max_tokens=1): no Decode call; the
   prefill worker gives the reservation back itself.
 * Closing the iterator (stop string, client gone) cancels the Decode call. The prefill call is
@@ -41,6 +45,7 @@ from services.common.wire import (
     ttft_stages_from_proto,
 )
 from services.router.backends.backend import TokenEvent
+from services.router.backends.decode_mux import DecodeMuxes
 from services.router.backends.decode_stream import DecodeStream
 from services.router.backends.placement import Placement
 from services.router.backends.prefill_start import KVFullWait, PrefillSettings, start_prefill
@@ -70,6 +75,7 @@ class RemotePath:
         self.decode_timeout_s = decode_timeout_s
         self.num_kv_full_waits = 0
         self._background: set[asyncio.Future[Any]] = set()
+        self.muxes = DecodeMuxes()  # Decode calls, many per stream (decode_mux.py)
 
     async def run(self, sample: Sample, plan: RoutePlan | None) -> AsyncGenerator[TokenEvent, None]:
         """The sample's events (module docstring); ``plan`` None: the load policy picks."""
@@ -100,9 +106,9 @@ class RemotePath:
                 raise BackendError(f"prefill worker {prefill.address} sent no reservation for "
                                    f"{sample.request_id!r}")
             prefill_rest = asyncio.ensure_future(_drain(call, prefill, transfer))
-            stream = DecodeStream(decode.decode.Decode(worker_pb2.DecodeRequest(
+            stream = DecodeStream(self.muxes.start(decode, worker_pb2.DecodeRequest(
                 request_id=sample.request_id, reservation_id=reservation_id,
-                first_token_id=first.token_id), timeout=remaining_s(self.decode_timeout_s)),
+                first_token_id=first.token_id), remaining_s(self.decode_timeout_s)),
                 decode, sample, on_decode, alongside=prefill_rest)
             async for event in stream.events():
                 yield event
@@ -147,10 +153,12 @@ class RemotePath:
         if not task.cancelled() and task.exception() is not None:
             log.info("background call ended with %r", task.exception())
 
-    def close(self) -> None:
-        """Cancel the background calls (prefill streams draining, releases)."""
+    async def close(self) -> None:
+        """Cancel the background calls (prefill streams draining, releases) and the Decode
+        streams."""
         for task in list(self._background):
             task.cancel()
+        await self.muxes.close()
 
 
 def _first_event(sample: Sample, first: worker_pb2.FirstToken, plan: RoutePlan | None) -> TokenEvent:
