@@ -13,12 +13,20 @@ Each call ends with a ``DecodeCallEnd`` after its outputs: OK after the finished
 status its Decode call would have ended with (a ServiceError's code, message and trailing
 metadata, ``grpc_errors.py``; anything else UNKNOWN). A cancelled call gets no end. When the
 stream ends (the router went away, the server stops) every call on it is cancelled.
+
+A cancel must stop the request even when the task's CancelledError is lost: Python 3.11's
+``asyncio.wait_for`` swallows a cancel that lands as its inner future completes (the KV landing
+as the router gives up, ``DecodeWorker._wait_landed``). A Decode call of its own then failed at
+its next write and aborted the request; here each call writes through a ``CallWriter`` that
+raises CancelledError once the call is cancelled, so the same next write ends it (the request
+ran on for all its tokens before, blocks held: tests/integration/test_cancel_frees_blocks.py).
 Backpressure: a task waits while ``MAX_QUEUED`` outputs are unsent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -31,7 +39,7 @@ from services.common.pb import worker_pb2
 log = logging.getLogger(__name__)
 MAX_QUEUED = 4096  # unsent outputs of one stream before its calls wait
 
-DecodeFn = Callable[[worker_pb2.DecodeRequest, "Outbox"], Awaitable[None]]
+DecodeFn = Callable[[worker_pb2.DecodeRequest, "CallWriter"], Awaitable[None]]
 
 
 class Outbox:
@@ -77,17 +85,36 @@ class Outbox:
                 return
 
 
+class CallWriter:
+    """One call's writer into the outbox; after ``cancel`` every write raises CancelledError
+    (module docstring)."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.cancelled = False
+
+    async def write(self, response: worker_pb2.DecodeResponse) -> None:
+        if self.cancelled:
+            raise asyncio.CancelledError()
+        await self.outbox.write(response)
+
+
 async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest],
                             context: grpc.aio.ServicerContext, decode: DecodeFn) -> None:
     """The DecodeMany handler's body (module docstring); ``decode`` runs one call."""
     outbox = Outbox()
     calls: dict[str, asyncio.Task[None]] = {}
+    writers: dict[str, CallWriter] = {}
     pump = asyncio.ensure_future(outbox.pump(context))
 
-    async def run(request: worker_pb2.DecodeRequest) -> None:
+    def forget(request_id: str, _: asyncio.Task[None]) -> None:
+        calls.pop(request_id, None)
+        writers.pop(request_id, None)
+
+    async def run(request: worker_pb2.DecodeRequest, writer: CallWriter) -> None:
         request_id = request.request_id
         try:
-            await decode(request, outbox)
+            await decode(request, writer)
         except ServiceError as error:
             outbox.end(request_id, status_of(error), error.message, trailing_metadata_of(error))
         except asyncio.CancelledError:
@@ -97,8 +124,6 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
             outbox.end(request_id, grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
         else:
             outbox.end(request_id)
-        finally:
-            calls.pop(request_id, None)
 
     try:
         async for message in requests:
@@ -109,11 +134,15 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
                     outbox.end(request_id, grpc.StatusCode.ALREADY_EXISTS,
                                f"DecodeMany: {request_id!r} is already running on this stream")
                     continue
-                calls[request_id] = asyncio.ensure_future(run(message.start))
+                writers[request_id] = CallWriter(outbox)
+                calls[request_id] = asyncio.ensure_future(run(message.start, writers[request_id]))
+                # not a finally in run(): a task cancelled before it ran never runs its body
+                calls[request_id].add_done_callback(functools.partial(forget, request_id))
             elif op == "cancel_request_id":
-                task = calls.get(message.cancel_request_id)
-                if task is not None:
-                    task.cancel()
+                running = calls.get(message.cancel_request_id)
+                if running is not None:
+                    writers[message.cancel_request_id].cancelled = True
+                    running.cancel()
         # the router half-closed: let the calls finish and their ends go out
         while calls:
             await asyncio.wait(list(calls.values()))

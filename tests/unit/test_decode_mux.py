@@ -14,7 +14,7 @@ from services.common.errors import NotFound
 from services.common.grpc_server import start_grpc_server
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import FAILED_PEER_KEY, finish_to_proto
-from services.decode.decode_many import Outbox, serve_decode_many
+from services.decode.decode_many import CallWriter, serve_decode_many
 from services.router.backends.decode_mux import DecodeMuxes
 from services.router.routing.worker_pool import Worker
 
@@ -26,6 +26,7 @@ class Scripted(worker_pb2_grpc.DecodeServiceServicer):
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
+        self.swallowed: list[str] = []
         self.step = asyncio.Event()
         self.clock: asyncio.Task | None = None
 
@@ -43,13 +44,18 @@ class Scripted(worker_pb2_grpc.DecodeServiceServicer):
     async def DecodeMany(self, requests, context):
         await serve_decode_many(requests, context, self.decode)
 
-    async def decode(self, request: worker_pb2.DecodeRequest, outbox: Outbox) -> None:
+    async def decode(self, request: worker_pb2.DecodeRequest, outbox: CallWriter) -> None:
         rid = request.request_id
         try:
             if rid == "missing":
                 raise NotFound(f"Decode: no reservation {rid!r}", failed_peer="prefill")
             if rid.startswith("hang"):
                 await asyncio.sleep(3600)
+            if rid.startswith("swallow"):  # loses its cancel, as 3.11's wait_for can
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    self.swallowed.append(rid)
             n = int(rid.split("-")[1])
             for i in range(n):
                 await self.next_step()
@@ -126,6 +132,21 @@ def test_cancel_and_deadline_cancel_the_call_on_the_worker():
         assert sorted(servicer.cancelled) == ["hang-1", "hang-2"]
         assert cancelled.done() and late.done()
         assert await read_all(muxes.start(worker, worker_pb2.DecodeRequest(request_id="ok-3"), 30)) == [0, 1, 2]
+    asyncio.run(with_worker(scenario))
+
+
+def test_a_call_whose_cancel_was_lost_ends_at_its_next_write():
+    async def scenario(servicer, server, worker, muxes):
+        call = muxes.start(worker, worker_pb2.DecodeRequest(request_id="swallow-1000"), 30)
+        await asyncio.sleep(0.1)
+        call.cancel()
+        for _ in range(100):
+            if servicer.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.swallowed == ["swallow-1000"] and servicer.cancelled == ["swallow-1000"]
+        (stream,) = muxes._streams.values()
+        assert stream.num_messages == 0  # not one token went out after the cancel
     asyncio.run(with_worker(scenario))
 
 
