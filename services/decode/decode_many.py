@@ -148,7 +148,9 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
             await asyncio.wait(list(calls.values()))
         outbox.close()
         await pump
-    finally:
+    finally:  # the stream ended (the router went away, the server stops): cancel every call
+        for writer in writers.values():
+            writer.cancelled = True
         for task in list(calls.values()):
             task.cancel()
         if calls:
