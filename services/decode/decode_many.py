@@ -14,12 +14,13 @@ status its Decode call would have ended with (a ServiceError's code, message and
 metadata, ``grpc_errors.py``; anything else UNKNOWN). A cancelled call gets no end. When the
 stream ends (the router went away, the server stops) every call on it is cancelled.
 
-A cancel must stop the request even when the task's CancelledError is lost: Python 3.11's
-``asyncio.wait_for`` swallows a cancel that lands as its inner future completes (the KV landing
-as the router gives up, ``DecodeWorker._wait_landed``). A Decode call of its own then failed at
-its next write and aborted the request; here each call writes through a ``CallWriter`` that
-raises CancelledError once the call is cancelled, so the same next write ends it (the request
-ran on for all its tokens before, blocks held: tests/integration/test_cancel_frees_blocks.py).
+A cancelled call's writes fail, as a cancelled gRPC call's do: each call writes through a
+``CallWriter`` that raises CancelledError once the call is cancelled, so a call whose
+CancelledError was lost still ends at its next write and aborts its request. (Python 3.11's
+``asyncio.wait_for`` drops a cancel that lands as its inner future completes; that is how
+``DecodeWorker._wait_landed`` lost one as the KV landed, which now waits with
+``asyncio.timeout``: before either fix a cancel just after the first token left the request
+running for all its tokens, tests/integration/test_cancel_frees_blocks.py.)
 Backpressure: a task waits while ``MAX_QUEUED`` outputs are unsent.
 """
 
@@ -86,12 +87,18 @@ class Outbox:
 
 
 class CallWriter:
-    """One call's writer into the outbox; after ``cancel`` every write raises CancelledError
-    (module docstring)."""
+    """One call on the stream: its task, and its writer into the outbox; after ``cancel`` every
+    write raises CancelledError (module docstring)."""
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
         self.cancelled = False
+        self.task: asyncio.Task[None] | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
 
     async def write(self, response: worker_pb2.DecodeResponse) -> None:
         if self.cancelled:
@@ -103,13 +110,8 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
                             context: grpc.aio.ServicerContext, decode: DecodeFn) -> None:
     """The DecodeMany handler's body (module docstring); ``decode`` runs one call."""
     outbox = Outbox()
-    calls: dict[str, asyncio.Task[None]] = {}
-    writers: dict[str, CallWriter] = {}
+    calls: dict[str, CallWriter] = {}
     pump = asyncio.ensure_future(outbox.pump(context))
-
-    def forget(request_id: str, _: asyncio.Task[None]) -> None:
-        calls.pop(request_id, None)
-        writers.pop(request_id, None)
 
     async def run(request: worker_pb2.DecodeRequest, writer: CallWriter) -> None:
         request_id = request.request_id
@@ -125,6 +127,12 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
         else:
             outbox.end(request_id)
 
+    def forget(request_id: str, _: asyncio.Task[None]) -> None:
+        calls.pop(request_id, None)
+
+    def tasks() -> list[asyncio.Task[None]]:
+        return [call.task for call in calls.values() if call.task is not None]
+
     try:
         async for message in requests:
             op = message.WhichOneof("op")
@@ -134,25 +142,21 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
                     outbox.end(request_id, grpc.StatusCode.ALREADY_EXISTS,
                                f"DecodeMany: {request_id!r} is already running on this stream")
                     continue
-                writers[request_id] = CallWriter(outbox)
-                calls[request_id] = asyncio.ensure_future(run(message.start, writers[request_id]))
+                call = calls[request_id] = CallWriter(outbox)
+                call.task = asyncio.ensure_future(run(message.start, call))
                 # not a finally in run(): a task cancelled before it ran never runs its body
-                calls[request_id].add_done_callback(functools.partial(forget, request_id))
-            elif op == "cancel_request_id":
-                running = calls.get(message.cancel_request_id)
-                if running is not None:
-                    writers[message.cancel_request_id].cancelled = True
-                    running.cancel()
+                call.task.add_done_callback(functools.partial(forget, request_id))
+            elif op == "cancel_request_id" and message.cancel_request_id in calls:
+                calls[message.cancel_request_id].cancel()
         # the router half-closed: let the calls finish and their ends go out
         while calls:
-            await asyncio.wait(list(calls.values()))
+            await asyncio.wait(tasks())
         outbox.close()
         await pump
     finally:  # the stream ended (the router went away, the server stops): cancel every call
-        for writer in writers.values():
-            writer.cancelled = True
-        for task in list(calls.values()):
-            task.cancel()
-        if calls:
-            await asyncio.wait(list(calls.values()))
+        running = tasks()
+        for call in list(calls.values()):
+            call.cancel()
+        if running:
+            await asyncio.wait(running)
         pump.cancel()

@@ -276,8 +276,9 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
                     f"ran out ({self.lease_s:g} s after the claim or the prefill worker's last "
                     f"renewal; {len(reservation.landed_block_ids)} of "
                     f"{len(reservation.block_ids)} blocks)", failed_peer="prefill")
-            try:
-                await asyncio.wait_for(reservation.changed.wait(), remaining)
+            try:  # not wait_for: on 3.11 it drops a cancel that lands as the KV lands
+                async with asyncio.timeout(remaining):
+                    await reservation.changed.wait()
             except TimeoutError:
                 pass
 
