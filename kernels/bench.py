@@ -131,6 +131,73 @@ def bench_small_kernels(bandwidth: float | None) -> list[str]:
             for name, ours, base, nbytes in cases]
 
 
+def decode_fusion(layers: int = 24, replays: int = 100) -> list[dict[str, float | int | str]]:
+    """A decode layer's rotary + KV store + attention as the graph of a step launches it: fused
+    (``rotary_store_attention``) against the two kernels (``rotary_store_kv``, ``paged_attention``),
+    ``layers`` of them captured in one CUDA graph, so launch gaps count as they do in a replayed
+    decode step. Attention shapes of SmolLM2-135M and -1.7B, bf16, 256-token contexts."""
+    rows: list[dict[str, float | int | str]] = []
+    for model, heads, kv_heads, head_dim in (("135M", 9, 3, 64), ("1.7B", 32, 32, 64)):
+        for batch in (1, 64):
+            two, fused = _decode_layer_calls(layers, batch, heads, kv_heads, head_dim)
+            two_us, fused_us = (_graph_us(fn, replays) / layers for fn in (two, fused))
+            rows.append(dict(model=model, batch=batch, two_kernels_us_per_layer=round(two_us, 2),
+                             fused_us_per_layer=round(fused_us, 2), fused_vs_two=round(two_us / fused_us, 3)))
+    return rows
+
+
+def _decode_layer_calls(layers: int, batch: int, heads: int, kv_heads: int, head_dim: int
+                        ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(the two kernels, the fused one), each ``layers`` times on one decode batch."""
+    from kernels.paged_attention import paged_attention, rotary_store_attention
+    from kernels.rotary import build_cos_sin_cache
+    from kernels.rotary_store_kv import rotary_store_kv
+
+    args, _ = _paged_case(batch, 256, 1, heads, kv_heads, head_dim, 16, torch.bfloat16)
+    query, key_cache, value_cache, block_tables, seq_lens, cu, _, scale = args
+    slots = block_tables.long()[:, -1] * 16 + 255 % 16  # position 255: the last of the 16th block
+    # as wide as a decode graph's block table (an 8K-token model), so the split count is the one
+    # the engine's graphs launch with
+    block_tables = torch.cat([block_tables, block_tables.new_zeros(batch, 512 - block_tables.shape[1])], 1)
+    key = torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    positions = seq_lens.long() - 1
+    cos_sin = build_cos_sin_cache(head_dim, 4096, 10000.0).cuda()
+
+    def two() -> None:
+        for _ in range(layers):
+            rotary_store_kv(query, key, value, positions, cos_sin, key_cache, value_cache, slots)
+            paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu, 1, scale)
+
+    def fused() -> None:
+        for _ in range(layers):
+            rotary_store_attention(query, key, value, positions, cos_sin, key_cache, value_cache, slots,
+                                   block_tables, seq_lens, cu, scale)
+    return two, fused
+
+
+def _graph_us(fn: Callable[[], None], replays: int) -> float:
+    """Microseconds per replay of ``fn`` captured as one CUDA graph (after a warm-up on a side
+    stream, which compiles what it launches)."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) * 1e3 / replays
+
+
 def main() -> int:
     if "--cpu" in sys.argv[1:]:
         from kernels.bench_attention_cpu import main as cpu_main
@@ -148,6 +215,9 @@ def main() -> int:
           f"{'':<7} {'of peak'}")
     for row in bench_attention(bandwidth, flops) + bench_small_kernels(bandwidth):
         print(row)
+    print("decode layer's rotary + store + attention in a CUDA graph, fused vs the two kernels:")
+    for fusion in decode_fusion():
+        print("  " + "  ".join(f"{k}={v}" for k, v in fusion.items()))
     return 0
 
 

@@ -38,6 +38,8 @@ class Ops:
     # that gives the same indices; 4.6 vs torch's 30 us at a 49k vocabulary, docs/benchmark-log.md)
     argmax_rows: Callable[[torch.Tensor], list[int] | None] | None = None
     rotary_store_kv: Callable[..., None] | None = None  # fused rotary + store_kv, where written
+    # a decode step's rotary_store_kv + paged_attention in one launch, where written (Triton)
+    rotary_store_attention: Callable[..., torch.Tensor] | None = None
 
 
 def torch_ops() -> Ops:

@@ -11,6 +11,12 @@
                                                       fused (Triton); None: the two calls
     ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, max_seqlen_q, scale, out=None) -> out
+    ops.rotary_store_attention(q, k, v, positions, cos_sin_cache, key_cache, value_cache,
+                               slot_mapping, block_tables, seq_lens, cu_seqlens_q, scale)
+                                                      -> out: a decode step's (one query per
+                                                      sequence) rotary_store_kv then paged_attention
+                                                      in one launch, q and k left unrotated, for a
+                                                      cache of q's dtype (Triton); None: the two calls
     ops.pack_linear(w_t)                              -> weight handle, once at load
     ops.linear(x, weight)                             -> x @ w_t
     ops.pack_quant(rows)                              -> handle of GGUF blocks (kernels.quant), once at load
@@ -84,7 +90,7 @@ def get_ops(backend: str, dims: ModelDims | None = None) -> Ops:
         return measured_ops(calibrate(dims))
     if backend == "triton":
         from kernels.activation import silu_and_mul
-        from kernels.paged_attention import paged_attention
+        from kernels.paged_attention import paged_attention, rotary_store_attention
         from kernels.quant_triton import pack as pack_quant
         from kernels.quant_triton import quant_linear
         from kernels.rms_norm import rms_norm
@@ -97,5 +103,5 @@ def get_ops(backend: str, dims: ModelDims | None = None) -> Ops:
                    store_kv=store_kv, paged_attention=paged_attention,
                    pack_linear=pack_linear_ref, linear=linear_ref,
                    pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear,
-                   rotary_store_kv=rotary_store_kv)
+                   rotary_store_kv=rotary_store_kv, rotary_store_attention=rotary_store_attention)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")

@@ -22,6 +22,13 @@ Split-KV (flash decoding): with NUM_SPLITS > 1, split s walks only its share of 
 writes an unnormalised partial (acc, max, sum) to fp32 workspace; ``_reduce_splits_kernel``
 merges the partials. Used when there are too few (tile, kv_head) programs to fill the GPU.
 
+Decode steps (``rotary_store_attention``, ROPE_STORE): every sequence has one query token, so a
+program's rows are that token's heads of one GQA group. The program rotates its q rows in
+registers, and the split that walks the last key tile first rotates the token's key of
+``kv_head`` and stores it and the value in the token's slot, then reads them back from the cache
+like every other key: what ``rotary_store_kv`` then ``paged_attention`` do, one launch fewer per
+layer (a decode layer's launches are what a batch-1 step on a GPU waits for).
+
 Quantized cache (int8 or float8_e4m3fn rows: head_dim codes then an fp32 scale, see
 ``kernels.kv_quant``): the codes are loaded through a uint8 view of the cache and the scales
 through a float32 view of the same memory (row at byte r: scale at float (r + head_dim) / 4);
@@ -38,7 +45,8 @@ from kernels._triton import check_launchable, is_interpreter, tl, triton
 from kernels.kv_quant import QUANT_DTYPES, SCALE_BYTES, check_scale_alignment
 from kernels.paged_attention_ref import check_attention_args, paged_attention_ref
 
-__all__ = ["paged_attention", "paged_attention_ref"]
+__all__ = ["paged_attention", "paged_attention_ref", "rotary_store_attention",
+           "rotary_store_attention_ref"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so fully masked rows give exp2(-inf) = 0, not NaN
@@ -74,6 +82,13 @@ def _decode_codes(codes, QUANT: tl.constexpr):  # type: ignore[no-untyped-def]  
     return tl.where((x & 0x80) != 0, -value, value)
 
 
+@triton.jit
+def _rotate(x, x_other, cos, sin, is_lo):  # type: ignore[no-untyped-def]  # JIT kernel (kernels/_triton.py)
+    """Rotate-half rotary on fp32 rows (``kernels.rotary``'s formulas, term for term):
+    ``x_other`` is each column's partner in the other half; ``is_lo``: the column is in the first."""
+    return tl.where(is_lo, x * cos - x_other * sin, x * cos + x_other * sin)
+
+
 # num_seqs and the block table's row stride change from step to step: Triton would compile a
 # variant for each value class (== 1, % 16 == 0) it sees, so a request could pay a compile; the
 # constexprs alone pick a variant, and ``warm_up`` compiles every one the engine can launch.
@@ -82,12 +97,15 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kern
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
     num_seqs, num_heads, group, head_dim, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
+    ROPE_STORE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,8 +130,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kern
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_valid = offs_d < head_dim
     q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
 
     # Keys this tile can see: 0 .. position of its last query; this split walks a share of them.
     kv_len = context_len + tl.minimum(q_start + BLOCK_Q, q_len)
@@ -121,6 +139,32 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # JIT kernel (kern
     tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
+
+    if ROPE_STORE:  # a decode step: this sequence's one query token is q_begin (module docstring)
+        half = head_dim // 2
+        is_lo = offs_d < half
+        partner = tl.where(is_lo, offs_d + half, offs_d - half)
+        freq = tl.where(is_lo, offs_d, offs_d - half)
+        pos = tl.load(positions_ptr + q_begin).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + freq, mask=d_valid, other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + half + freq, mask=d_valid, other=0.0)
+        q_other = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = _rotate(q.to(tl.float32), q_other, cos[None, :], sin[None, :], is_lo[None, :]).to(q.dtype)
+        slot = tl.load(slot_ptr + q_begin).to(tl.int64)
+        # The split that walks the last key tile stores the new key and value, then reads them
+        # back from the cache like every other key (the barrier orders its threads' writes and
+        # reads); no other program reads that position.
+        if (split == (num_kv_tiles - 1) // tiles_per_split) & (slot >= 0):
+            k_row = k_new_ptr + q_begin.to(tl.int64) * stride_kt + kv_head * stride_kh
+            k = tl.load(k_row + offs_d, mask=d_valid, other=0.0)
+            k_other = tl.load(k_row + partner, mask=d_valid, other=0.0).to(tl.float32)
+            k = _rotate(k.to(tl.float32), k_other, cos, sin, is_lo).to(k.dtype)
+            v = tl.load(v_new_ptr + q_begin.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d,
+                        mask=d_valid, other=0.0)
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+            tl.store(k_cache_ptr + dst + offs_d, k.to(k_cache_ptr.dtype.element_ty), mask=d_valid)
+            tl.store(v_cache_ptr + dst + offs_d, v.to(v_cache_ptr.dtype.element_ty), mask=d_valid)
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -249,20 +293,33 @@ def launch_variants(num_heads: int, num_kv_heads: int, device: torch.device,
 def warm_up(query_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
             num_heads: int, max_model_len: int) -> int:
     """Compile every variant of ``launch_variants`` now, on one 2-block sequence, so that no
-    request pays a compile. Returns how many variants were launched."""
+    request pays a compile: and, where the model's decode steps take it (a cache of the query's
+    dtype), ``rotary_store_attention`` for each single-query variant; it stores nothing (slot
+    -1). Returns how many variants were launched."""
     _, block_size, num_kv_heads, row = key_cache.shape
     head_dim = row - SCALE_BYTES if key_cache.dtype in QUANT_DTYPES else row
     device = key_cache.device
     variants = launch_variants(num_heads, num_kv_heads, device, max_model_len)
+    is_fused = key_cache.dtype == query_dtype
+    launched = 0
     for q_len, num_splits in variants:
         seq_len = max(q_len, 2 * block_size)
         query = torch.zeros(q_len, num_heads, head_dim, dtype=query_dtype, device=device)
         block_tables = torch.zeros(1, triton.cdiv(seq_len, block_size), dtype=torch.int32, device=device)
-        paged_attention(query, key_cache, value_cache, block_tables,
-                        torch.tensor([seq_len], dtype=torch.int32, device=device),
-                        torch.tensor([0, q_len], dtype=torch.int32, device=device), q_len, 1.0,
-                        num_splits=num_splits)
-    return len(variants)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        cu_seqlens_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, q_len,
+                        1.0, num_splits=num_splits)
+        launched += 1
+        if q_len == 1 and is_fused:
+            key = torch.zeros(1, num_kv_heads, head_dim, dtype=query_dtype, device=device)
+            rotary_store_attention(query, key, key, torch.zeros(1, dtype=torch.int64, device=device),
+                                   torch.zeros(1, head_dim, dtype=torch.float32, device=device),
+                                   key_cache, value_cache,
+                                   torch.full((1,), -1, dtype=torch.int64, device=device),
+                                   block_tables, seq_lens, cu_seqlens_q, 1.0, num_splits=num_splits)
+            launched += 1
+    return launched
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -277,6 +334,63 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                          max_seqlen_q, scale, out)
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
+                   scale, out, num_splits, tile_n, None)
+
+
+def rotary_store_attention_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                               key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's attention with its rotary and KV store: ``rotary_store_kv_ref`` then
+    ``paged_attention_ref`` with ``max_seqlen_q = 1``, except that ``query`` and ``key`` are left
+    as they are. Every sequence has at most one query token, at position ``seq_len - 1``, and
+    its ``slot_mapping`` entry is that position's cache slot (or < 0: not stored)."""
+    from kernels.rotary_store_kv import rotary_store_kv_ref
+
+    query = query.clone()
+    rotary_store_kv_ref(query, key.clone(), value, positions, cos_sin_cache, key_cache, value_cache,
+                        slot_mapping)
+    return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, 1,
+                               scale, out)
+
+
+def rotary_store_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                           key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                           tile_n: int | None = None) -> torch.Tensor:
+    """Triton version of :func:`rotary_store_attention_ref` in one launch (plus the split merge):
+    a decode layer's ``rotary_store_kv`` and ``paged_attention`` fused. The cache must be
+    unquantized and of the query's dtype (ValueError otherwise: use the two kernels)."""
+    from kernels.rotary import check_rotary_args
+    from kernels.store_kv import check_store_kv_args
+
+    check_rotary_args(query, key, positions, cos_sin_cache)
+    check_store_kv_args(key, value, key_cache, value_cache, slot_mapping)
+    check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, 1,
+                         scale, out)
+    if key_cache.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"rotary_store_attention needs key_cache and value of the query's dtype "
+                         f"{query.dtype}, got {key_cache.dtype} and {value.dtype}")
+    if query.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"rotary_store_attention is for decode steps (one query per sequence): "
+                         f"{query.shape[0]} query tokens for {block_tables.shape[0]} sequences")
+    rope = (key, value, positions, cos_sin_cache, slot_mapping)
+    return _launch(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, 1, scale,
+                   out, num_splits, tile_n, rope)
+
+
+def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            max_seqlen_q: int, scale: float, out: torch.Tensor | None, num_splits: int | None,
+            tile_n: int | None, rope: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """The kernel launch of both entry points (arguments checked); ``rope``: (key, value,
+    positions, cos_sin_cache, slot_mapping) to rotate and store first, in the same launch."""
     device = query.device
     check_launchable(device)
     num_tokens, num_heads, head_dim = query.shape
@@ -315,15 +429,24 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         check_scale_alignment(key_cache, head_dim)
         k_codes, v_codes = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
         k_scales, v_scales = key_cache.view(torch.float32), value_cache.view(torch.float32)
+    if rope is None:
+        key = value = positions = cos_sin = slots = out  # unused
+        rope_strides = (0, 0, 0, 0, 0)
+    else:
+        key, value, positions, cos_sin, slots = rope
+        rope_strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0))
     _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         out, part_acc, part_ml,
         query, k_codes, v_codes, k_scales, v_scales, block_tables, seq_lens, cu_seqlens_q,
+        key, value, positions, cos_sin, slots,
         num_seqs, num_heads, group, head_dim, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        *rope_strides,
         BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, G_PAD=g_pad, BLOCK_Q=block_q,
         BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        DOT_FP32=_dot_in_fp32(query.dtype), QUANT=quant, num_warps=num_warps,
+        DOT_FP32=_dot_in_fp32(query.dtype), QUANT=quant, ROPE_STORE=rope is not None,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

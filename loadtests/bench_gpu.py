@@ -357,6 +357,11 @@ def stage_profile(args: argparse.Namespace, log: Log) -> None:
     (args.out / "profile.txt").write_text("\n".join(report))
     del llm
     _free()
+    if DEVICE == "cuda":  # what fusing rotary + KV store into decode attention gives, same run
+        from kernels.bench import decode_fusion
+
+        for row in decode_fusion():
+            log(stage="profile", decode_fusion=row)
 
 
 def _free() -> None:

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from engine import LLM, SamplingParams
+from kernels import paged_attention
 from kernels.ops import BACKEND_ENV
 
 pytestmark = [
@@ -30,9 +31,19 @@ def test_triton_backend_matches_torch_greedy(loaded_model, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "torch")
     reference = LLM(loaded_model, **engine_args).generate(PROMPTS, params)
     monkeypatch.setenv(BACKEND_ENV, "triton")
+    fused_calls = []  # decode steps take the fused rotary + store + attention, prefills do not
+    real_fused = paged_attention.rotary_store_attention
+
+    def counted(q, *args, **kwargs):
+        fused_calls.append(q.shape[0])
+        return real_fused(q, *args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "rotary_store_attention", counted)
     llm = LLM(loaded_model, **engine_args)
     assert llm.engine.runner.backend == "triton"
     outputs = llm.generate(PROMPTS, params)
     for ours, ref in zip(outputs, reference):
         assert ours.token_ids == ref.token_ids
     llm.engine.check_integrity()
+    num_layers = llm.engine.config.model.num_layers
+    assert len(fused_calls) >= 5 * num_layers and set(fused_calls) <= {1, 2, 3}, fused_calls

@@ -45,10 +45,13 @@ def test_get_ops_tables():
     assert {f.name for f in dataclasses.fields(Ops)} == {
         "rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "pack_linear", "linear",
         "pack_quant", "quant_linear", "norm_quant_linear", "decoder_stack", "stack_max_tokens",
-        "argmax_rows", "rotary_store_kv"}
+        "argmax_rows", "rotary_store_kv", "rotary_store_attention"}
+    from kernels.paged_attention import rotary_store_attention
     from kernels.rotary_store_kv import rotary_store_kv
 
     assert triton_ops.rotary_store_kv is rotary_store_kv and torch_ops.rotary_store_kv is None  # the model composes
+    assert triton_ops.rotary_store_attention is rotary_store_attention
+    assert torch_ops.rotary_store_attention is None
     assert torch_ops.decoder_stack is None and triton_ops.decoder_stack is None  # the compiled CPU path only
     assert torch_ops.argmax_rows is None and triton_ops.argmax_rows is None  # the runner takes torch's
     from kernels.quant import quant_linear_ref

@@ -155,5 +155,8 @@ def test_warm_up_compiles_each_variant_on_a_small_cache():
     from kernels.paged_attention import warm_up
 
     cache = torch.zeros(4, 1, 2, 8, 3, 64, device=DEVICE)
-    expected = 2 if DEVICE.type == "cpu" else 3  # query tiles of 16, 64 (and 128 rows on CUDA)
-    assert warm_up(torch.float32, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == expected
+    unfused = 2 if DEVICE.type == "cpu" else 3  # query tiles of 16, 64 (and 128 rows on CUDA)
+    # and the fused decode variant (rotary_store_attention) where the cache has the query's dtype
+    assert warm_up(torch.float32, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == unfused + 1
+    assert warm_up(torch.bfloat16, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == unfused
+    assert torch.count_nonzero(cache) == 0  # nothing stored
