@@ -38,6 +38,7 @@ each K/V tile is dequantized in registers right after its load, the rest is unch
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -291,35 +292,54 @@ def launch_variants(num_heads: int, num_kv_heads: int, device: torch.device,
 
 
 def warm_up(query_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            num_heads: int, max_model_len: int) -> int:
+            num_heads: int, max_model_len: int, *, fused: bool = True) -> int:
     """Compile every variant of ``launch_variants`` now, on one 2-block sequence, so that no
-    request pays a compile: and, where the model's decode steps take it (a cache of the query's
-    dtype), ``rotary_store_attention`` for each single-query variant; it stores nothing (slot
-    -1). Returns how many variants were launched."""
-    _, block_size, num_kv_heads, row = key_cache.shape
-    head_dim = row - SCALE_BYTES if key_cache.dtype in QUANT_DTYPES else row
-    device = key_cache.device
-    variants = launch_variants(num_heads, num_kv_heads, device, max_model_len)
-    is_fused = key_cache.dtype == query_dtype
+    request pays a compile; with ``fused``, ``warm_up_fused``'s too (where the cache has the
+    query's dtype). Returns how many variants were launched."""
     launched = 0
-    for q_len, num_splits in variants:
-        seq_len = max(q_len, 2 * block_size)
-        query = torch.zeros(q_len, num_heads, head_dim, dtype=query_dtype, device=device)
-        block_tables = torch.zeros(1, triton.cdiv(seq_len, block_size), dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        cu_seqlens_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+    for q_len, num_splits, case in _warm_up_cases(query_dtype, key_cache, num_heads, max_model_len):
+        query, block_tables, seq_lens, cu_seqlens_q = case
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, q_len,
                         1.0, num_splits=num_splits)
         launched += 1
-        if q_len == 1 and is_fused:
-            key = torch.zeros(1, num_kv_heads, head_dim, dtype=query_dtype, device=device)
-            rotary_store_attention(query, key, key, torch.zeros(1, dtype=torch.int64, device=device),
-                                   torch.zeros(1, head_dim, dtype=torch.float32, device=device),
-                                   key_cache, value_cache,
-                                   torch.full((1,), -1, dtype=torch.int64, device=device),
-                                   block_tables, seq_lens, cu_seqlens_q, 1.0, num_splits=num_splits)
-            launched += 1
+    if fused and key_cache.dtype == query_dtype:
+        launched += warm_up_fused(key_cache, value_cache, num_heads, max_model_len)
     return launched
+
+
+def warm_up_fused(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,
+                  max_model_len: int) -> int:
+    """Compile ``rotary_store_attention`` for each single-query variant of ``launch_variants``
+    (the cache's dtype is the query's); it stores nothing (slot -1). Returns how many."""
+    launched = 0
+    head_dim, device = key_cache.shape[-1], key_cache.device
+    for q_len, num_splits, case in _warm_up_cases(key_cache.dtype, key_cache, num_heads, max_model_len):
+        if q_len != 1:
+            continue
+        query, block_tables, seq_lens, cu_seqlens_q = case
+        key = torch.zeros(1, key_cache.shape[2], head_dim, dtype=key_cache.dtype, device=device)
+        rotary_store_attention(query, key, key, torch.zeros(1, dtype=torch.int64, device=device),
+                               torch.zeros(1, head_dim, dtype=torch.float32, device=device),
+                               key_cache, value_cache, torch.full((1,), -1, dtype=torch.int64, device=device),
+                               block_tables, seq_lens, cu_seqlens_q, 1.0, num_splits=num_splits)
+        launched += 1
+    return launched
+
+
+def _warm_up_cases(query_dtype: torch.dtype, key_cache: torch.Tensor, num_heads: int,
+                   max_model_len: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...]]]:
+    """(max_seqlen_q, num_splits, (query, block_tables, seq_lens, cu_seqlens_q)) of one 2-block
+    sequence for each of ``launch_variants``."""
+    _, block_size, num_kv_heads, row = key_cache.shape
+    head_dim = row - SCALE_BYTES if key_cache.dtype in QUANT_DTYPES else row
+    device = key_cache.device
+    for q_len, num_splits in launch_variants(num_heads, num_kv_heads, device, max_model_len):
+        seq_len = max(q_len, 2 * block_size)
+        yield q_len, num_splits, (
+            torch.zeros(q_len, num_heads, head_dim, dtype=query_dtype, device=device),
+            torch.zeros(1, triton.cdiv(seq_len, block_size), dtype=torch.int32, device=device),
+            torch.tensor([seq_len], dtype=torch.int32, device=device),
+            torch.tensor([0, q_len], dtype=torch.int32, device=device))
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

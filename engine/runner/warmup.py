@@ -5,11 +5,15 @@ took 818 ms before this, the next ones 82 ms).
 The Triton kernels pick their compiled variant by constexprs only (per-step integers are not
 specialized on: ``kernels/paged_attention.py``), so the variants are few: the attention's query
 tiles and split counts (``paged_attention.launch_variants``) and one each for the other ops at
-the model's dtype, which any forward compiles. Nothing is stored: every slot is -1.
+the model's dtype, which any forward compiles. Nothing is stored: every slot is -1. The fused
+decode attention is compiled on its own (``warm_up_fused_decode``): if it fails there, decode
+steps take the two kernels it fuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
@@ -17,6 +21,8 @@ import torch
 from engine.kv_cache.storage import layer_kv
 from engine.mathutils import cdiv
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -28,7 +34,9 @@ def warm_up(model: LlamaForCausalLM, kv_cache: torch.Tensor, max_num_batched_tok
     started = time.perf_counter()
     config, device = model.config, model.device
     key_cache, value_cache = layer_kv(kv_cache, 0)
-    paged_attention.warm_up(model.dtype, key_cache, value_cache, config.num_heads, config.max_model_len)
+    paged_attention.warm_up(model.dtype, key_cache, value_cache, config.num_heads, config.max_model_len,
+                            fused=False)
+    warm_up_fused_decode(model, key_cache, value_cache)
     block_size = kv_cache.shape[3]
     capacity = min(kv_cache.shape[0] * block_size, config.max_model_len)
     for num_tokens in sorted({1, min(17, capacity), min(max_num_batched_tokens, capacity)}):
@@ -44,3 +52,24 @@ def warm_up(model: LlamaForCausalLM, kv_cache: torch.Tensor, max_num_batched_tok
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
+
+
+def warm_up_fused_decode(model: LlamaForCausalLM, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Compile the fused decode attention (``kernels.paged_attention.rotary_store_attention``)
+    where the model's decode steps take it. If it fails to compile or launch, the model's
+    decode steps take ``rotary_store_kv`` and ``paged_attention`` instead (the same result, one
+    launch more per layer) and the error is logged: a kernel variant first compiled on this
+    device must not take the engine down. Returns whether decode steps take the fused kernel."""
+    from kernels import paged_attention
+
+    if model.ops.rotary_store_attention is None or key_cache.dtype != model.dtype:
+        return False
+    try:
+        paged_attention.warm_up_fused(key_cache, value_cache, model.config.num_heads,
+                                      model.config.max_model_len)
+    except Exception:  # noqa: BLE001 - any failure of the fused variant: the two kernels serve
+        log.exception("the fused decode attention (rotary_store_attention) failed to compile or "
+                      "launch; decode steps run rotary_store_kv + paged_attention instead")
+        model.ops = dataclasses.replace(model.ops, rotary_store_attention=None)
+        return False
+    return True

@@ -119,3 +119,37 @@ def test_refuses_what_it_does_not_fuse():
         rotary_store_attention(q, k, v, positions, cos_sin, base[:, 1, 0], base[:, 1, 1], slots[:2],
                                case.block_tables, case.seq_lens, case.cu_seqlens_q, case.scale)
 
+
+
+def test_engine_warm_up_falls_back_to_the_two_kernels_when_the_fused_one_fails(monkeypatch, caplog):
+    from engine.models.llama import LlamaForCausalLM
+    from engine.runner.warmup import warm_up_fused_decode
+    from kernels import paged_attention as module
+    from kernels.ops import get_ops
+    from tests.unit.test_cuda_graphs import CONFIG, random_weights
+
+    model = LlamaForCausalLM(CONFIG, random_weights(CONFIG), get_ops("triton"), DEVICE)
+    cache = torch.zeros(4, 1, 2, 4, CONFIG.num_kv_heads, CONFIG.head_dim, device=DEVICE)
+    assert warm_up_fused_decode(model, cache[:, 0, 0], cache[:, 0, 1])  # compiles: decode takes it
+    assert model.ops.rotary_store_attention is module.rotary_store_attention
+    assert not warm_up_fused_decode(model, cache[:, 0, 0].bfloat16(), cache[:, 0, 1].bfloat16())
+    assert model.ops.rotary_store_attention is not None  # another dtype's cache: not for it, still on
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")  # as a Triton compile error reads
+
+    monkeypatch.setattr(module, "warm_up_fused", fails)
+    with caplog.at_level("ERROR", logger="engine.runner.warmup"):
+        assert not warm_up_fused_decode(model, cache[:, 0, 0], cache[:, 0, 1])
+    assert model.ops.rotary_store_attention is None  # decode steps take the two kernels
+    assert "rotary_store_attention" in caplog.text and "PassManager" in caplog.text
+    # and the model still decodes: one token of one sequence through the two kernels
+    from engine.models.llama import AttentionMetadata
+
+    attn = AttentionMetadata(slot_mapping=torch.tensor([5], device=DEVICE),
+                             block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE),
+                             seq_lens=torch.tensor([2], dtype=torch.int32, device=DEVICE),
+                             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), max_seqlen_q=1)
+    kv = torch.zeros(4, CONFIG.num_layers, 2, 4, CONFIG.num_kv_heads, CONFIG.head_dim, device=DEVICE)
+    hidden = model.forward(torch.tensor([3], device=DEVICE), torch.tensor([1], device=DEVICE), attn, kv)
+    assert hidden.shape == (1, CONFIG.hidden_size) and torch.isfinite(hidden).all()
