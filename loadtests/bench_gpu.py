@@ -281,7 +281,8 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         b1 = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
         row.update(decode_b1_tok_s=round(b1, 1), b1_vs_bound=round(b1 / bound, 3),
                    num_kv_blocks=llm.engine.runner.num_blocks,
-                   graphs=len(llm.engine.runner.decode_graphs.sizes))
+                   graphs=len(llm.engine.runner.decode_graphs.sizes),
+                   fused_decode_attention=llm.engine.runner.model.ops.rotary_store_attention is not None)
         long = distinct_prompts(tokenizer, 512, 4 if DRY else 16, salt=13)
         row["prefill_tok_s"] = round(sum(map(len, long)) / generate_seconds(llm, long, 1), 1)
         for c in concurrency:
