@@ -1,16 +1,19 @@
-"""DecodeService.DecodeMany: many Decode calls on one stream, one message per batch of outputs.
+"""DecodeService.DecodeMany: many Decode and Generate calls on one stream, one message per batch
+of outputs.
 
 A router keeps one such stream per decode worker. Each ``start`` runs exactly what a Decode
-call runs (``DecodeWorker.decode``: claim the reservation, wait for the KV, stream the outputs)
-in a task of its own, writing into the stream's ``Outbox`` instead of a call of its own; a
-``cancel_request_id`` cancels that task (the request is aborted, as when a Decode call is
-cancelled). The outbox's pump sends everything queued since its last write as one
-``DecodeManyResponse``: while a write is in flight the next step's outputs of every request
-gather behind it, so a step of N requests costs one message, not N (a grpc.aio message costs
-~30 us of CPU on the event loop of a 2-core EPYC; a step of 64 requests on a GPU takes a few ms).
+call runs (``DecodeWorker.decode``: claim the reservation, wait for the KV, stream the outputs),
+each ``generate`` what a Generate call runs (``DecodeWorker.generate``: the whole request here,
+the router's local path or a migrated request's resume), in a task of its own, writing into the
+stream's ``Outbox`` instead of a call of its own; a ``cancel_request_id`` cancels that task (the
+request is aborted, as when its call is cancelled). The outbox's pump sends everything queued
+since its last write as one ``DecodeManyResponse``: while a write is in flight the next step's
+outputs of every request gather behind it, so a step of N requests costs one message, not N (a
+grpc.aio message costs ~30 us of CPU on the event loop of a 2-core EPYC; a step of 64 requests
+on a GPU takes a few ms).
 
 Each call ends with a ``DecodeCallEnd`` after its outputs: OK after the finished one, else the
-status its Decode call would have ended with (a ServiceError's code, message and trailing
+status its own call would have ended with (a ServiceError's code, message and trailing
 metadata, ``grpc_errors.py``; anything else UNKNOWN). A cancelled call gets no end. When the
 stream ends (the router went away, the server stops) every call on it is cancelled.
 
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 4096  # unsent outputs of one stream before its calls wait
 
 DecodeFn = Callable[[worker_pb2.DecodeRequest, "CallWriter"], Awaitable[None]]
+GenerateFn = Callable[[worker_pb2.GenerateLocalRequest, "CallWriter"], Awaitable[None]]
 
 
 class Outbox:
@@ -107,16 +111,22 @@ class CallWriter:
 
 
 async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest],
-                            context: grpc.aio.ServicerContext, decode: DecodeFn) -> None:
-    """The DecodeMany handler's body (module docstring); ``decode`` runs one call."""
+                            context: grpc.aio.ServicerContext, decode: DecodeFn,
+                            generate: GenerateFn) -> None:
+    """The DecodeMany handler's body (module docstring); ``decode`` runs one Decode call,
+    ``generate`` one Generate call."""
     outbox = Outbox()
     calls: dict[str, CallWriter] = {}
     pump = asyncio.ensure_future(outbox.pump(context))
 
-    async def run(request: worker_pb2.DecodeRequest, writer: CallWriter) -> None:
+    async def run(request: worker_pb2.DecodeRequest | worker_pb2.GenerateLocalRequest,
+                  writer: CallWriter) -> None:
         request_id = request.request_id
         try:
-            await decode(request, writer)
+            if isinstance(request, worker_pb2.DecodeRequest):
+                await decode(request, writer)
+            else:
+                await generate(request, writer)
         except ServiceError as error:
             outbox.end(request_id, status_of(error), error.message, trailing_metadata_of(error))
         except asyncio.CancelledError:
@@ -136,14 +146,15 @@ async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest
     try:
         async for message in requests:
             op = message.WhichOneof("op")
-            if op == "start":
-                request_id = message.start.request_id
+            if op in ("start", "generate"):
+                request = message.start if op == "start" else message.generate
+                request_id = request.request_id
                 if request_id in calls:
                     outbox.end(request_id, grpc.StatusCode.ALREADY_EXISTS,
                                f"DecodeMany: {request_id!r} is already running on this stream")
                     continue
                 call = calls[request_id] = CallWriter(outbox)
-                call.task = asyncio.ensure_future(run(message.start, call))
+                call.task = asyncio.ensure_future(run(request, call))
                 # not a finally in run(): a task cancelled before it ran never runs its body
                 call.task.add_done_callback(functools.partial(forget, request_id))
             elif op == "cancel_request_id" and message.cancel_request_id in calls:

@@ -21,13 +21,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import grpc
-
 from services.common.async_engine import AsyncEngine, EngineDead
 from services.common.errors import AlreadyExists, InvalidArgument, Unavailable
 from services.common.pb import worker_pb2
 from services.common.wire import ttft_stages_to_proto
-from services.decode.output_stream import OutputStream
+from services.decode.output_stream import OutputStream, Writer
 from services.worker.request_params import compile_constraint, invalid_argument, one_sample_params
 from services.worker.stats import PrefixCounters
 
@@ -36,11 +34,11 @@ if TYPE_CHECKING:
 
 
 async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
-                         request: worker_pb2.GenerateLocalRequest,
-                         context: grpc.aio.ServicerContext,
+                         request: worker_pb2.GenerateLocalRequest, context: Writer,
                          on_added: Callable[[], None] | None = None) -> None:
-    """Serve one Generate call (module docstring). ``on_added()`` runs once the engine took
-    the request (or refused it): the worker's queue bound stops counting it as pending."""
+    """Serve one Generate call (module docstring), its responses written to ``context`` (the
+    call's, or a DecodeMany stream's). ``on_added()`` runs once the engine took the request (or
+    refused it): the worker's queue bound stops counting it as pending."""
     arrived_at = time.monotonic()
     request_id = request.request_id
     prompt = list(request.prompt_token_ids)

@@ -7,8 +7,8 @@
     Decode            claim the reservation, wait (until its lease runs out) for every block
                       to land, then finish_remote_kv(first token) and stream tokens until the
                       request finishes
-    DecodeMany        many Decode calls on one stream, their outputs batched per message
-                      (``decode_many.py``: what a router uses)
+    DecodeMany        many Decode and Generate calls on one stream, their outputs batched
+                      per message (``decode_many.py``: what a router uses)
     ReleaseBlocks     give a reservation back (prefill failed or was cancelled)
     Generate          a whole request here, prefill included (conditional disaggregation: the
                       router's choice when the uncached part of the prompt is short); the
@@ -198,6 +198,11 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: worker_pb2.GenerateLocalRequest,
                        context: grpc.aio.ServicerContext) -> None:
+        await self.generate(request, context)
+
+    async def generate(self, request: worker_pb2.GenerateLocalRequest, context: Writer) -> None:
+        """One Generate call, its responses written to ``context`` (a call's, or a DecodeMany
+        stream's: decode_many.py)."""
         pending = self.queue_limit.admit("Generate")
         try:
             await generate_local(self.engine, self.prefix_counters, request, context, pending.done)
@@ -209,7 +214,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
 
     async def DecodeMany(self, requests: AsyncIterator[worker_pb2.DecodeManyRequest],
                          context: grpc.aio.ServicerContext) -> None:
-        await serve_decode_many(requests, context, self.decode)
+        await serve_decode_many(requests, context, self.decode, self.generate)
 
     async def decode(self, request: worker_pb2.DecodeRequest, context: Writer) -> None:
         """One Decode call, its responses written to ``context`` (a call's, or a DecodeMany

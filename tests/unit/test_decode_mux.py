@@ -1,4 +1,4 @@
-"""Many Decode calls on one DecodeMany stream: the worker's end (services/decode/decode_many.py)
+"""Many Decode and Generate calls on one DecodeMany stream: the worker's end (services/decode/decode_many.py)
 and the router's (services/router/backends/decode_mux.py) over a real gRPC server in this
 process, with a scripted ``decode`` per request in place of the engine (the real one:
 tests/integration/test_cluster.py and the chaos tests run every remote request through it)."""
@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.errors import NotFound
+from services.common.errors import InvalidArgument, NotFound
 from services.common.grpc_server import start_grpc_server
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.wire import FAILED_PEER_KEY, finish_to_proto
@@ -42,7 +42,20 @@ class Scripted(worker_pb2_grpc.DecodeServiceServicer):
         await self.step.wait()
 
     async def DecodeMany(self, requests, context):
-        await serve_decode_many(requests, context, self.decode)
+        await serve_decode_many(requests, context, self.decode, self.generate)
+
+    async def generate(self, request: worker_pb2.GenerateLocalRequest, outbox: CallWriter) -> None:
+        """A Generate call: "gen-N" streams tokens N.. after the resumed ones, "gen-bad" is
+        refused as bad input."""
+        rid = request.request_id
+        if rid == "gen-bad":
+            raise InvalidArgument("Generate: prompt_token_ids is empty: give at least one token")
+        start = len(request.resumed_output_token_ids)
+        n = int(rid.split("-")[1])
+        for i in range(start, n):
+            await self.next_step()
+            await outbox.write(worker_pb2.DecodeResponse(
+                request_id=rid, token_ids=[100 + i], finish_reason=finish_to_proto("length" if i == n - 1 else None)))
 
     async def decode(self, request: worker_pb2.DecodeRequest, outbox: CallWriter) -> None:
         rid = request.request_id
@@ -100,6 +113,25 @@ def test_calls_on_one_stream_get_their_own_outputs_batched_into_few_messages():
         total = sum(20 + i for i in range(16))
         (stream,) = muxes._streams.values()
         assert stream.num_messages < total / 4, (stream.num_messages, total)  # per step, not per token
+    asyncio.run(with_worker(scenario))
+
+
+def test_generate_calls_share_the_stream_with_decode_calls():
+    async def scenario(servicer, server, worker, muxes):
+        decodes = [muxes.start(worker, worker_pb2.DecodeRequest(request_id=f"ok-{10 + i}"), 30) for i in range(4)]
+        generates = [muxes.start(worker, worker_pb2.GenerateLocalRequest(request_id=f"gen-{12 + i}"), 30)
+                     for i in range(4)]
+        resumed = muxes.start(worker, worker_pb2.GenerateLocalRequest(
+            request_id="gen-9", resumed_output_token_ids=[100, 101, 102]), 30)
+        bad = muxes.start(worker, worker_pb2.GenerateLocalRequest(request_id="gen-bad"), 30)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await bad.read()
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in err.value.details()
+        results = await asyncio.gather(*(read_all(c) for c in decodes + generates + [resumed]))
+        assert results[:4] == [list(range(10 + i)) for i in range(4)]
+        assert results[4:8] == [[100 + t for t in range(12 + i)] for i in range(4)]
+        assert results[8] == [103, 104, 105, 106, 107, 108]  # after the three it resumed from
+        assert len(muxes._streams) == 1  # all on one stream
     asyncio.run(with_worker(scenario))
 
 

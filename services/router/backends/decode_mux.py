@@ -1,12 +1,14 @@
-"""The router's end of DecodeService.DecodeMany: one stream per decode worker, many Decode calls.
+"""The router's end of DecodeService.DecodeMany: one stream per decode worker, many Decode and
+Generate calls.
 
-    call = muxes.start(worker, DecodeRequest(...), timeout_s)   # a MuxCall
+    call = muxes.start(worker, DecodeRequest(...), timeout_s)   # a MuxCall; or a
+                                                                # GenerateLocalRequest
     response = await call.read()     # a DecodeResponse, grpc.aio.EOF after the finished one,
                                      # or raises the call's grpc.aio.AioRpcError
     call.cancel(); call.done()
 
-A ``MuxCall`` reads like the ``grpc.aio.UnaryStreamCall`` of a Decode call (DecodeStream takes
-either): its errors are ``AioRpcError``s with the code, details and trailing metadata the worker
+A ``MuxCall`` reads like the ``grpc.aio.UnaryStreamCall`` of a Decode or Generate call
+(DecodeStream takes either): its errors are ``AioRpcError``s with the code, details and trailing metadata the worker
 sent in the call's ``DecodeCallEnd`` (services/decode/decode_many.py), so worker_errors.py maps
 them as before. Its deadline is a timer here (DEADLINE_EXCEEDED, and the worker is told to
 cancel); ``cancel`` tells the worker too. One reader task per stream hands each message's
@@ -28,6 +30,7 @@ from services.router.routing.worker_pool import Worker
 
 log = logging.getLogger(__name__)
 _EOF: Any = grpc.aio.EOF
+Request = worker_pb2.DecodeRequest | worker_pb2.GenerateLocalRequest  # what a call starts with
 
 
 def _error(code: grpc.StatusCode, details: str,
@@ -98,12 +101,14 @@ class DecodeMuxStream:
         self.closed = False
         self.num_messages = 0  # read so far (each carries outputs of many calls)
 
-    def start(self, request: worker_pb2.DecodeRequest, timeout_s: float) -> MuxCall:
+    def start(self, request: Request, timeout_s: float) -> MuxCall:
         if request.request_id in self.calls:
             raise ValueError(f"{request.request_id!r} is already decoding on {self.worker.address}")
         call = MuxCall(self, request.request_id, timeout_s)
         self.calls[request.request_id] = call
-        self._outgoing.put_nowait(worker_pb2.DecodeManyRequest(start=request))
+        self._outgoing.put_nowait(worker_pb2.DecodeManyRequest(start=request)
+                                  if isinstance(request, worker_pb2.DecodeRequest)
+                                  else worker_pb2.DecodeManyRequest(generate=request))
         return call
 
     def send_cancel(self, request_id: str) -> None:
@@ -172,7 +177,9 @@ class DecodeMuxes:
     def __init__(self) -> None:
         self._streams: dict[str, DecodeMuxStream] = {}
 
-    def start(self, worker: Worker, request: worker_pb2.DecodeRequest, timeout_s: float) -> MuxCall:
+    def start(self, worker: Worker, request: Request, timeout_s: float) -> MuxCall:
+        """A Decode call (``DecodeRequest``) or a Generate call (``GenerateLocalRequest``) on
+        ``worker``'s stream, opened now if it has none."""
         stream = self._streams.get(worker.address)
         if stream is None or stream.closed:
             stream = self._streams[worker.address] = DecodeMuxStream(worker, self._closed)

@@ -1,5 +1,6 @@
 """The local path of conditional disaggregation: one sample runs wholly on a decode worker
-(``DecodeService.Generate``: prefill there, then decode), no prefill worker, no KV transfer.
+(a Generate call, on the router's DecodeMany stream to it: prefill there, then decode), no
+prefill worker, no KV transfer.
 
 If the decode worker is full or unreachable before the first event, the sample falls back to
 the remote path (the load policy picks both workers; counted as ``remote/retry``). Bad input
@@ -44,9 +45,9 @@ class LocalPath:
         num_prompt_tokens = len(sample.prompt)
         in_flight = decode.begin(prefill_tokens=num_prompt_tokens - plan.num_decode_cached_tokens,
                                  blocks=cdiv(num_prompt_tokens, decode.block_size))
-        call = decode.decode.Generate(worker_pb2.GenerateLocalRequest(
+        call = self.remote.muxes.start(decode, worker_pb2.GenerateLocalRequest(
             request_id=sample.request_id, prompt_token_ids=sample.prompt,
-            sampling_params=sample.wire_params), timeout=remaining_s(self.decode_timeout_s))
+            sampling_params=sample.wire_params), remaining_s(self.decode_timeout_s))
         stream = DecodeStream(call, decode, sample, in_flight)
         try:
             try:

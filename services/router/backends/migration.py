@@ -9,10 +9,11 @@ client sees one unbroken stream.
   over on the remote path, with a fresh request id (the dead attempt's reservation on a decode
   worker is left to its lease);
 * tokens streamed: a decode worker prefills prompt + those tokens itself and continues
-  (``DecodeService.Generate`` with ``resumed_output_token_ids``). The engine counts them as
-  output, so max_tokens, penalties and a seeded generator (keyed by output position) go on
-  exactly; greedy and seeded streams equal the unbroken run's. The pipeline's detokenizer
-  and stop strings never notice: the resumed events are plain continuation events.
+  (a Generate call with ``resumed_output_token_ids``, on the router's DecodeMany stream to that
+  worker). The engine counts them as output, so max_tokens, penalties and a seeded generator
+  (keyed by output position) go on exactly; greedy and seeded streams equal the unbroken run's.
+  The pipeline's detokenizer and stop strings never notice: the resumed events are plain
+  continuation events.
 
 At most ``max_migrations`` times per sample, then BackendError. Each migration's id is
 ``<request_id>~m<k>``. Errors that are the request's own fault (INVALID_ARGUMENT, a deadline)
@@ -104,7 +105,7 @@ class Migration:
             decode = self.placement.pick("decode", prompt, excluded, last_error)
             excluded.add(decode.address)
             in_flight = decode.begin(prefill_tokens=len(prompt))  # before the worker sees it
-            call = decode.decode.Generate(request, timeout=remaining_s(self.decode_timeout_s))
+            call = self.remote.muxes.start(decode, request, remaining_s(self.decode_timeout_s))
             stream = DecodeStream(call, decode, sample, in_flight)
             try:
                 try:
