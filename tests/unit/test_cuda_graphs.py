@@ -1,9 +1,12 @@
 """The decode graphs (engine/runner/cuda_graphs.py): buckets, the persistent buffers, padding
 rows that store nothing, stale block-table rows, refusals. On the CPU the step is replayed by
-``EagerCapture`` (the same buffers, no graph); where CUDA is present the same cases run again as
-captured CUDA graphs on the Triton ops (marked ``gpu``; skipped with the reason elsewhere)."""
+``EagerCapture`` (the same buffers, no graph) on the torch ops, and again on the Triton ops under
+the interpreter; where CUDA is present the same cases run again as captured CUDA graphs on the
+Triton ops (marked ``gpu``; skipped with the reason elsewhere)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -48,17 +51,29 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton on a CPU needs TRITON_INTERPRET=1 (make test sets it)")
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[GPU, pytest.mark.gpu])])
-def device(request):
+@pytest.fixture(scope="module", params=[
+    ("cpu", "torch"),
+    # the Triton ops interpreted: the decode steps' fused attention over padding rows and stale
+    # block-table rows, as the graphs run it
+    pytest.param(("cpu", "triton"), marks=INTERPRETED, id="cpu-triton"),
+    pytest.param(("cuda", "triton"), marks=[GPU, pytest.mark.gpu], id="cuda")], ids=lambda p: p[0])
+def setup(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
-def model(device):
-    ops = get_ops("torch" if device == "cpu" else "triton")
-    return LlamaForCausalLM(CONFIG, random_weights(CONFIG), ops, device)
+def device(setup):
+    return setup[0]
+
+
+@pytest.fixture(scope="module")
+def model(setup):
+    device, backend = setup
+    return LlamaForCausalLM(CONFIG, random_weights(CONFIG), get_ops(backend), device)
 
 
 def _capture(device):
