@@ -135,27 +135,34 @@ def decode_fusion(layers: int = 24, replays: int = 100) -> list[dict[str, float 
     """A decode layer's rotary + KV store + attention as the graph of a step launches it: fused
     (``rotary_store_attention``) against the two kernels (``rotary_store_kv``, ``paged_attention``),
     ``layers`` of them captured in one CUDA graph, so launch gaps count as they do in a replayed
-    decode step. Attention shapes of SmolLM2-135M and -1.7B, bf16, 256-token contexts."""
+    decode step; and the fused kernel unsplit (``num_splits=1``: no merge kernel after it), what a
+    split count chosen from the real context rather than the graph's block-table width would
+    launch. Attention shapes of SmolLM2-135M and -1.7B, bf16, contexts of 256 tokens (and 1,024
+    at batch 1)."""
     rows: list[dict[str, float | int | str]] = []
     for model, heads, kv_heads, head_dim in (("135M", 9, 3, 64), ("1.7B", 32, 32, 64)):
-        for batch in (1, 64):
-            two, fused = _decode_layer_calls(layers, batch, heads, kv_heads, head_dim)
-            two_us, fused_us = (_graph_us(fn, replays) / layers for fn in (two, fused))
-            rows.append(dict(model=model, batch=batch, two_kernels_us_per_layer=round(two_us, 2),
-                             fused_us_per_layer=round(fused_us, 2), fused_vs_two=round(two_us / fused_us, 3)))
+        for batch, context in ((1, 256), (1, 1024), (64, 256)):
+            two, fused, unsplit = _decode_layer_calls(layers, batch, context, heads, kv_heads, head_dim)
+            two_us, fused_us, unsplit_us = (_graph_us(fn, replays) / layers for fn in (two, fused, unsplit))
+            rows.append(dict(model=model, batch=batch, context=context,
+                             two_kernels_us_per_layer=round(two_us, 2), fused_us_per_layer=round(fused_us, 2),
+                             fused_vs_two=round(two_us / fused_us, 3),
+                             fused_unsplit_us_per_layer=round(unsplit_us, 2)))
     return rows
 
 
-def _decode_layer_calls(layers: int, batch: int, heads: int, kv_heads: int, head_dim: int
-                        ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(the two kernels, the fused one), each ``layers`` times on one decode batch."""
+def _decode_layer_calls(layers: int, batch: int, context: int, heads: int, kv_heads: int, head_dim: int
+                        ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(the two kernels, the fused one, the fused one unsplit), each ``layers`` times on one
+    decode batch of ``context``-token sequences."""
     from kernels.paged_attention import paged_attention, rotary_store_attention
     from kernels.rotary import build_cos_sin_cache
     from kernels.rotary_store_kv import rotary_store_kv
 
-    args, _ = _paged_case(batch, 256, 1, heads, kv_heads, head_dim, 16, torch.bfloat16)
+    args, _ = _paged_case(batch, context, 1, heads, kv_heads, head_dim, 16, torch.bfloat16)
     query, key_cache, value_cache, block_tables, seq_lens, cu, _, scale = args
-    slots = block_tables.long()[:, -1] * 16 + 255 % 16  # position 255: the last of the 16th block
+    last = context - 1
+    slots = block_tables.long()[:, last // 16] * 16 + last % 16  # the last position's slot
     # as wide as a decode graph's block table (an 8K-token model), so the split count is the one
     # the engine's graphs launch with
     block_tables = torch.cat([block_tables, block_tables.new_zeros(batch, 512 - block_tables.shape[1])], 1)
@@ -169,11 +176,11 @@ def _decode_layer_calls(layers: int, batch: int, heads: int, kv_heads: int, head
             rotary_store_kv(query, key, value, positions, cos_sin, key_cache, value_cache, slots)
             paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu, 1, scale)
 
-    def fused() -> None:
+    def fused(num_splits: int | None = None) -> None:
         for _ in range(layers):
             rotary_store_attention(query, key, value, positions, cos_sin, key_cache, value_cache, slots,
-                                   block_tables, seq_lens, cu, scale)
-    return two, fused
+                                   block_tables, seq_lens, cu, scale, num_splits=num_splits)
+    return two, fused, functools.partial(fused, 1)
 
 
 def _graph_us(fn: Callable[[], None], replays: int) -> float:
