@@ -162,6 +162,19 @@ class Request:
         """prompt + output + this step's draft tokens."""
         return TokenView(self.prompt_token_ids, self.output_token_ids, self.spec_token_ids)
 
+    def tokens_with_spec(self, start: int, end: int) -> list[int]:
+        """``token_view_with_spec[start:end]`` (0 <= start <= end <= num_tokens_with_spec): what
+        a step computes for this request, read for every request of every step, so a range
+        inside the prompt or inside the output (a decode step's one token) is sliced directly."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            if end - num_prompt <= len(self.output_token_ids):
+                return self.output_token_ids[start - num_prompt:end - num_prompt]
+        elif end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        out: list[int] = self.token_view_with_spec[start:end]
+        return out
+
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED  # a set lookup: read for every request of every step

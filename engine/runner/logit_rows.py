@@ -41,10 +41,10 @@ def plan_logit_rows(scheduled: Sequence[Request], num_scheduled_tokens: Mapping[
     """The logits rows of one step, from each request's state before the step (its
     ``num_computed_tokens`` is where this step's tokens start)."""
     plan = LogitRows()
+    first_row = 0  # plan.num_rows so far (a running sum: summing per request is quadratic)
     for request in scheduled:
         num_new = num_scheduled_tokens[request.request_id]
         start = request.num_computed_tokens
-        first_row = plan.num_rows
         reaches_end = start + num_new >= request.num_tokens
         wants_prompt = (request.sampling_params.prompt_logprobs is not None
                         and start < request.num_prompt_tokens
@@ -63,4 +63,5 @@ def plan_logit_rows(scheduled: Sequence[Request], num_scheduled_tokens: Mapping[
         elif reaches_end:
             plan.sample_rows += [(r, last_row) for r in
                                  [request, *fork_children.get(request.request_id, ())]]
+        first_row += num_logits
     return plan

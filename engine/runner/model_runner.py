@@ -153,7 +153,7 @@ class ModelRunner:
         for request, num_logits in zip(known, rows.num_logits):
             start = request.num_computed_tokens
             end = start + sched.num_scheduled_tokens[request.request_id]
-            seqs.append(ScheduledSeq(request.token_view_with_spec[start:end], start,
+            seqs.append(ScheduledSeq(request.tokens_with_spec(start, end), start,
                                      block_ids[request.request_id], num_logits))
         fed_ids = None
         if fed:  # a chained step: first each fed request's token in flight, after its known ones

@@ -30,3 +30,19 @@ def test_out_of_range_and_stepped_slices_raise():
         view[-4]
     with pytest.raises(ValueError, match="no step"):
         view[::2]
+
+
+@given(lists, lists, lists, st.data())
+def test_a_request_reads_its_tokens_as_the_view_does(prompt, output, spec, data):
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    request = Request("r", prompt, SamplingParams())
+    request.output_token_ids, request.spec_token_ids = list(output), list(spec)
+    total = len(prompt) + len(output) + len(spec)
+    start = data.draw(st.integers(0, total))
+    end = data.draw(st.integers(start, total))
+    tokens = request.tokens_with_spec(start, end)
+    assert tokens == (prompt + output + spec)[start:end]
+    tokens.append(-1)  # a copy: the request's own lists are not the caller's
+    assert request.prompt_token_ids == prompt and request.output_token_ids == output
