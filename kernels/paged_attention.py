@@ -292,18 +292,16 @@ def launch_variants(num_heads: int, num_kv_heads: int, device: torch.device,
 
 
 def warm_up(query_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            num_heads: int, max_model_len: int, *, fused: bool = True) -> int:
+            num_heads: int, max_model_len: int) -> int:
     """Compile every variant of ``launch_variants`` now, on one 2-block sequence, so that no
-    request pays a compile; with ``fused``, ``warm_up_fused``'s too (where the cache has the
-    query's dtype). Returns how many variants were launched."""
+    request pays a compile (``warm_up_fused`` compiles the fused decode variants). Returns how
+    many variants were launched."""
     launched = 0
     for q_len, num_splits, case in _warm_up_cases(query_dtype, key_cache, num_heads, max_model_len):
         query, block_tables, seq_lens, cu_seqlens_q = case
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, q_len,
                         1.0, num_splits=num_splits)
         launched += 1
-    if fused and key_cache.dtype == query_dtype:
-        launched += warm_up_fused(key_cache, value_cache, num_heads, max_model_len)
     return launched
 
 

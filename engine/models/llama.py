@@ -162,9 +162,11 @@ class LlamaForCausalLM:
             return out
         residual = None
         kv_views = self._layer_kv_views(kv_cache)
-        # a decode step (one query per sequence) takes the fused rotary + store + attention
+        # a decode step (one query per sequence) over a cache of the model's dtype takes the
+        # fused rotary + store + attention
         fused = (ops.rotary_store_attention
-                 if attn.max_seqlen_q == 1 and num_tokens == attn.block_tables.shape[0] else None)
+                 if attn.max_seqlen_q == 1 and num_tokens == attn.block_tables.shape[0]
+                 and kv_cache.dtype == self.dtype else None)
         for i, layer in enumerate(self.layers[:num_layers]):
             qkv, residual = self._norm_matmul(hidden, residual, layer.input_norm, layer.qkv_weight)
             if layer.qkv_bias is not None:
@@ -174,7 +176,7 @@ class LlamaForCausalLM:
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             key_cache, value_cache = kv_views[i]
-            if fused is not None and key_cache.dtype == q.dtype:
+            if fused is not None:
                 out = fused(q, k, v, positions, self.cos_sin_cache, key_cache, value_cache,
                             attn.slot_mapping, attn.block_tables, attn.seq_lens, attn.cu_seqlens_q,
                             self.scale)

@@ -34,8 +34,7 @@ def warm_up(model: LlamaForCausalLM, kv_cache: torch.Tensor, max_num_batched_tok
     started = time.perf_counter()
     config, device = model.config, model.device
     key_cache, value_cache = layer_kv(kv_cache, 0)
-    paged_attention.warm_up(model.dtype, key_cache, value_cache, config.num_heads, config.max_model_len,
-                            fused=False)
+    paged_attention.warm_up(model.dtype, key_cache, value_cache, config.num_heads, config.max_model_len)
     warm_up_fused_decode(model, key_cache, value_cache)
     block_size = kv_cache.shape[3]
     capacity = min(kv_cache.shape[0] * block_size, config.max_model_len)

@@ -191,7 +191,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
 
     def _segment(self, address: str, nbytes: int) -> Segment | None:
         """A shared-memory segment for a push to ``address``, or None: push bytes."""
-        if self._arena is None or not self._shared.get(address, False):
+        if self._arena is None or not self.is_shared(address):
             return None
         try:
             return self._arena.acquire(nbytes)

@@ -152,11 +152,12 @@ def test_launch_variants_cover_every_tile_and_split(monkeypatch):
 
 @requires_triton
 def test_warm_up_compiles_each_variant_on_a_small_cache():
-    from kernels.paged_attention import warm_up
+    from kernels.paged_attention import warm_up, warm_up_fused
 
     cache = torch.zeros(4, 1, 2, 8, 3, 64, device=DEVICE)
     unfused = 2 if DEVICE.type == "cpu" else 3  # query tiles of 16, 64 (and 128 rows on CUDA)
-    # and the fused decode variant (rotary_store_attention) where the cache has the query's dtype
-    assert warm_up(torch.float32, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == unfused + 1
+    assert warm_up(torch.float32, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == unfused
     assert warm_up(torch.bfloat16, cache[:, 0, 0], cache[:, 0, 1], 9, 128) == unfused
+    # the fused decode variant (rotary_store_attention): one per single-query tile (unsplit here)
+    assert warm_up_fused(cache[:, 0, 0], cache[:, 0, 1], 9, 128) == 1
     assert torch.count_nonzero(cache) == 0  # nothing stored

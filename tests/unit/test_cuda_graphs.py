@@ -171,7 +171,7 @@ def test_warm_up_launches_every_attention_variant_without_writing_the_cache(mode
     from kernels import paged_attention
 
     if device == "cpu":
-        monkeypatch.setattr(paged_attention, "warm_up", lambda *args, **kwargs: 0)  # Triton-only (tests/kernels)
+        monkeypatch.setattr(paged_attention, "warm_up", lambda *args: 0)  # Triton-only (tests/kernels)
     kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=8), device)
     kv_cache.normal_()
     before = kv_cache.clone()
