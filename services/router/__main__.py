@@ -49,6 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_env_argument(parser, "--local-prefill-max-tokens", type=int, default=64,
                      help="with --redis-url: prefill on the decode worker itself when the part of "
                           "the prompt it has not cached is at most this many tokens (0: never)")
+    add_env_argument(parser, "--index-budget-ms", type=float, default=5.0,
+                     help="with --redis-url: time an index lookup may take (to connect, and for "
+                          "the reply) before the request is routed by load only")
     add_env_argument(parser, "--max-migrations", type=int, default=3,
                      help="times a request moves to another worker when its worker dies or "
                           "drains mid-stream (0: never; the request fails)")
@@ -80,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     install_from_args(args, parser)  # the router's channels to its workers
     if args.local_prefill_max_tokens < 0:
         parser.error(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
+    if not args.index_budget_ms > 0:
+        parser.error(f"--index-budget-ms must be a positive number, got {args.index_budget_ms}")
     if args.kv_full_wait_s < 0:
         parser.error(f"--kv-full-wait-s must be >= 0, got {args.kv_full_wait_s}")
     if args.max_migrations < 0:
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = build_backend(args.colocated, args.model, engine_args_from(args), args.prefill,
                             args.decode, args.transfer, redis_url=args.redis_url,
                             local_prefill_max_tokens=args.local_prefill_max_tokens,
+                            index_budget_s=args.index_budget_ms / 1000,
                             max_migrations=args.max_migrations, kv_full_wait_s=args.kv_full_wait_s)
     try:
         asyncio.run(run_router(config, backend))

@@ -14,7 +14,7 @@ import contextlib
 import ipaddress
 import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.args import EngineArgs
 from services.common.auth import KeySet
@@ -161,22 +161,27 @@ def is_loopback(host: str) -> bool:
 def build_backend(colocated: bool, model: str | None, engine_args: EngineArgs,
                   prefill: list[str], decode: list[str], transfer: str, redis_url: str = "",
                   local_prefill_max_tokens: int = 64, max_migrations: int = 3,
-                  kv_full_wait_s: float = 60.0) -> Backend:
+                  kv_full_wait_s: float = 60.0, index_budget_s: float | None = None) -> Backend:
     """The in-process engine built from ``engine_args`` (colocated), or the workers; with a
     ``redis_url`` the workers are picked by the prefix index (KV-aware, conditional
-    disaggregation), else by load. A sample whose worker dies moves to another up to
-    ``max_migrations`` times (services/router/backends/migration.py); one that finds every decode
-    worker out of KV blocks waits up to ``kv_full_wait_s`` for some to free up."""
+    disaggregation; a lookup gets ``index_budget_s``, default the client's 5 ms), else by
+    load. A sample whose worker dies moves to another up to ``max_migrations`` times
+    (services/router/backends/migration.py); one that finds every decode worker out of KV
+    blocks waits up to ``kv_full_wait_s`` for some to free up."""
     if colocated:
         return ColocatedBackend(model, engine_args)
     from services.router.backends.disaggregated import DisaggregatedBackend  # lazily: workers only
 
     policy = None
     if redis_url:
-        from services.router.routing.prefix_aware import PrefixAwarePolicy
+        from services.router.routing.prefix_aware import ROUTER_CLIENT_CONFIG, PrefixAwarePolicy
         from services.router.routing.route_plan import RouteConfig
 
-        policy = PrefixAwarePolicy(redis_url, RouteConfig(local_prefill_max_tokens=local_prefill_max_tokens))
+        client_config = ROUTER_CLIENT_CONFIG
+        if index_budget_s is not None:
+            client_config = replace(client_config, budget_s=index_budget_s)
+        policy = PrefixAwarePolicy(redis_url, RouteConfig(local_prefill_max_tokens=local_prefill_max_tokens),
+                                   client_config)
     return DisaggregatedBackend(prefill, decode, transfer=transfer, policy=policy,
                                 max_migrations=max_migrations, kv_full_wait_s=kv_full_wait_s)
 

@@ -45,8 +45,11 @@ def cluster(module_redis_server, tmp_path_factory):
               "--index-heartbeat-s", "0.5"]
     workers = ([start_worker("prefill", log_dir, *common, transfer="grpc") for _ in range(2)]
                + [start_worker("decode", log_dir, *common, transfer="grpc") for _ in range(2)])
+    # a lookup past its budget routes by load (index_unavailable): 5 ms is too short on a loaded
+    # 2-core test machine, where Redis may wait that long for a core, and these tests are about
+    # what the router does with the index's answer
     router = start_router(log_dir, workers[:2], workers[2:], "grpc", "--redis-url",
-                          module_redis_server.url, "--debug-route")
+                          module_redis_server.url, "--debug-route", "--index-budget-ms", "250")
     try:
         wait_serving(workers + [router])
         yield workers, router

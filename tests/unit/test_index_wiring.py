@@ -88,3 +88,26 @@ def test_the_index_and_the_scoring_are_torch_free():
             "services.router.routing.prefix_scoring; assert 'torch' not in sys.modules, 'torch imported'")
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo)
+
+
+def test_the_router_gives_its_index_lookups_the_budget_it_is_told(monkeypatch):
+    from engine.args import EngineArgs
+    from services.router.__main__ import parse_args as router_args
+    from services.router.app import build_backend
+    from services.router.routing.prefix_aware import ROUTER_CLIENT_CONFIG
+
+    workers = ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--redis-url", "redis://127.0.0.1:7/0"]
+    assert router_args(workers).index_budget_ms == 5.0
+    monkeypatch.setenv("PDSERVE_INDEX_BUDGET_MS", "40")
+    assert router_args(workers).index_budget_ms == 40.0
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            router_args([*workers, "--index-budget-ms", bad])
+    backend = build_backend(False, None, EngineArgs(), ["127.0.0.1:1"], ["127.0.0.1:2"], "grpc",
+                            redis_url="redis://127.0.0.1:7/0", index_budget_s=0.04)
+    policy = backend.policy  # type: ignore[attr-defined]
+    assert policy.client_config.budget_s == 0.04
+    assert policy.client_config.breaker == ROUTER_CLIENT_CONFIG.breaker
+    default = build_backend(False, None, EngineArgs(), ["127.0.0.1:1"], ["127.0.0.1:2"], "grpc",
+                            redis_url="redis://127.0.0.1:7/0")
+    assert default.policy.client_config == ROUTER_CLIENT_CONFIG  # type: ignore[attr-defined]
