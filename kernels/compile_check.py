@@ -54,7 +54,7 @@ def main() -> int:
     index = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
              "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "default": "*bf16"}
     attention = dict(BLOCK_SIZE=16, HEAD_DIM_PAD=128, G_PAD=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64,
-                     DOT_FP32=False, QUANT=0)
+                     DOT_FP32=False, QUANT=0, ROPE_STORE=False)
     # An 8-bit cache: codes through a uint8 view, row scales through a float32 view of it.
     quant_cache = {**index, "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "k_scale_ptr": "*fp32",
                    "v_scale_ptr": "*fp32"}
@@ -74,6 +74,13 @@ def main() -> int:
          {**attention, "NUM_SPLITS": 1, "QUANT": 1}),
         ("paged attention fp8 cache split-KV", paged_attention._paged_attention_kernel, quant_cache,
          {**attention, "NUM_SPLITS": 4, "QUANT": 2}),
+        # decode: rotary + KV store in the attention launch (rotary_store_attention)
+        ("paged attention + rotary + store_kv, split-KV", paged_attention._paged_attention_kernel,
+         {**index, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"},
+         {**attention, "NUM_SPLITS": 16, "ROPE_STORE": True}),
+        ("paged attention + rotary + store_kv, fp32", paged_attention._paged_attention_kernel,
+         {**index, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "default": "*fp32"},
+         {**attention, "NUM_SPLITS": 1, "DOT_FP32": True, "ROPE_STORE": True}),
         ("split-KV reduce", paged_attention._reduce_splits_kernel, index,
          dict(HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4)),
         ("rms_norm", rms_norm._rms_norm_kernel, {"default": "*bf16"}, dict(HAS_RESIDUAL=True, BLOCK_H=1024)),
