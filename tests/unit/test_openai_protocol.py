@@ -203,3 +203,61 @@ def test_chat_request_with_tools_renders_them_and_constrains_required_calls():
     assert "<tool_call>" in history.messages[1]["content"] and "<tool_response>" in history.messages[2]["content"]
     plain = parse_chat_request({"messages": [{"role": "user", "content": "hi", "name": "ann"}]})
     assert plain.messages == [{"role": "user", "content": "hi", "name": "ann"}]  # untouched without tools
+
+
+def _renderer(body: dict, parse=parse_completion_request, n: int = 1):
+    from types import SimpleNamespace
+
+    from services.router.http.responses import ResponseRenderer
+
+    api = parse({"model": "m", "stream": True, "n": n, **body})
+    frontend = SimpleNamespace(model=SimpleNamespace(name="m"),
+                               tokenizer=SimpleNamespace(decode=lambda ids, **_: "t"))
+    generation = SimpleNamespace(request_id="r-1", params=api.params, prompt_token_ids=[1, 2],
+                                 usage=Usage(prompt_tokens=2))
+    return ResponseRenderer(api, frontend, generation)  # type: ignore[arg-type]
+
+
+_CHUNK_BODIES = [
+    ({"prompt": "hi"}, parse_completion_request),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, parse_completion_request),
+    ({"prompt": "hi", "logprobs": 2}, parse_completion_request),
+    ({"prompt": "hi", "return_token_ids": True}, parse_completion_request),
+    ({"messages": [{"role": "user", "content": "hi"}]}, parse_chat_request),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+     parse_chat_request),
+]
+
+
+@pytest.mark.parametrize("body, parse", _CHUNK_BODIES)
+def test_chunk_json_is_the_chunk_dumped(body, parse):
+    """The templated text-only chunk is byte for byte what dumping the chunk's dict gives, for
+    any text (quotes, escapes, control characters, astral and lone-surrogate code points), every
+    sample index, and the chunks that do not take the template (finish, logprobs, token ids)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from services.router.http.responses import dumps
+    from services.router.pipeline.generation import SampleDelta
+
+    position = PositionLogprobs(5, -0.5, 1, [(5, -0.5)])
+    wants_logprobs = "logprobs" in body
+
+    @settings(max_examples=150, deadline=None)
+    @given(text=st.text(st.characters(codec=None, categories=None)), index=st.integers(0, 2),
+           finish=st.sampled_from([None, None, "stop", "length"]))
+    def check(text, index, finish):
+        def warm():  # one chunk first (a renderer keeps text offsets, the prompt ids sent)
+            return SampleDelta(index, "warm", [5], [position] if wants_logprobs else None)
+
+        delta = SampleDelta(index, text, [5], [position] if wants_logprobs else None,
+                            finish_reason=finish, stop_reason="\n" if finish == "stop" else None)
+        render, templated = _renderer(body, parse, n=3), _renderer(body, parse, n=3)
+        render.chunk(warm())
+        templated.chunk_json(warm())
+        expected = render.chunk(delta)
+        got = templated.chunk_json(delta)
+        assert got == (None if expected is None else dumps(expected))
+        assert got is None or json.loads(got) == json.loads(dumps(expected))
+
+    check()

@@ -23,7 +23,10 @@ if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not
     from engine.sampling.logprobs import PositionLogprobs
 
 NEG_INF_LOGPROB = -9999.0
-dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+dumps = _ENCODER.encode  # one encoder: json.dumps with options builds a new one per call
+_encode_str = json.encoder.encode_basestring  # a str as dumps writes it (ensure_ascii=False)
+_TEXT_SLOT = "\x00text\x00"  # stands for a chunk's text while its template is built
 
 
 class ResponseRenderer:
@@ -50,6 +53,11 @@ class ResponseRenderer:
         # a chat with a tool choice: each choice's text becomes content and tool_calls
         self.tool_replies = ([ToolReply(api.tool_choice, list(api.tools)) for _ in range(n)]
                              if api.tool_choice.mode != "none" else None)
+        # Most chunks carry text alone: their JSON is a per-sample template around the text
+        # (``chunk_json``), not a dict through the encoder per token.
+        self._text_only = (self.tool_replies is None and not api.return_token_ids
+                           and generation.params.logprobs is None)
+        self._templates: dict[int, tuple[str, str]] = {}
 
     def add(self, delta: SampleDelta) -> None:
         i = delta.index
@@ -115,6 +123,25 @@ class ResponseRenderer:
                 choice["prompt_token_ids"] = self.generation.prompt_token_ids
                 self.has_sent_prompt_ids = True
         return self._chunk(choice)
+
+    def chunk_json(self, delta: SampleDelta) -> str | None:
+        """``dumps(self.chunk(delta))``, the same text; a chunk with text alone (no finish, no
+        logprobs, token ids or tool calls) is its sample's template around the text."""
+        if self._text_only and delta.finish_reason is None and delta.stop_reason is None:
+            if not delta.text:
+                return None
+            template = self._templates.get(delta.index)
+            if template is None:
+                template = self._templates[delta.index] = self._text_template(delta.index)
+            return template[0] + _encode_str(delta.text) + template[1]
+        chunk = self.chunk(delta)
+        return None if chunk is None else dumps(chunk)
+
+    def _text_template(self, index: int) -> tuple[str, str]:
+        text = dumps(self.chunk(SampleDelta(index, _TEXT_SLOT, [])))
+        head, slot, tail = text.partition(_encode_str(_TEXT_SLOT))
+        assert slot and _TEXT_SLOT not in tail, text  # exactly one place for the text
+        return head, tail
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._chunk(None), "usage": usage_json(self.generation.usage)}

@@ -191,9 +191,9 @@ async def _stream(request: web.Request, api: OpenAIRequest, generation: Generati
             for chunk in render.opening_chunks():
                 await send(chunk)
             async for delta in generation:
-                delta_chunk = render.chunk(delta)
-                if delta_chunk is not None:
-                    await send(delta_chunk)
+                delta_json = render.chunk_json(delta)
+                if delta_json is not None:
+                    await response.write(f"data: {delta_json}\n\n".encode())
             if api.include_usage:
                 await send(render.usage_chunk())
         except (BackendError, Overloaded, ValueError) as error:  # RequestTimeout is a BackendError
