@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,9 @@ class Tokenizer:
                  eos_token: str | None = None, eos_token_ids: Sequence[int] = (),
                  chat_template: str | None = None, special_tokens: Mapping[str, str | None] | None = None) -> None:
         self._backend = backend
+        # ``decode`` without its checks, for ids a model generated (a list of non-negative ints):
+        # the detokenizer calls it twice per streamed token
+        self.decode_generated: Callable[..., str] = backend.decode
         self._bos_token = bos_token
         self._eos_token = eos_token
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))

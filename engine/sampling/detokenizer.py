@@ -25,6 +25,9 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
+    """``decode``; a tokenizer may also offer ``decode_generated`` (the same for a list of ids
+    a model generated, without argument checks), which is used when present."""
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
@@ -44,6 +47,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._decode = getattr(tokenizer, "decode_generated", tokenizer.decode)
         self.params = params
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self._token_ids = context  # the decode window's tokens: context + output
@@ -109,10 +113,8 @@ class IncrementalDetokenizer:
     def _decode_new_text(self, flush: bool = False) -> None:
         skip = self.params.skip_special_tokens
         window = self._token_ids
-        prefix_text = self.tokenizer.decode(window[self._prefix_offset:self._read_offset],
-                                            skip_special_tokens=skip)
-        full_text = self.tokenizer.decode(window[self._prefix_offset:],
-                                          skip_special_tokens=skip)
+        prefix_text = self._decode(window[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full_text = self._decode(window[self._prefix_offset:], skip_special_tokens=skip)
         if not flush and (len(full_text) <= len(prefix_text)
                           or full_text.endswith(REPLACEMENT_CHAR)):
             return  # nothing printable yet, or a character is incomplete: wait

@@ -92,6 +92,22 @@ def test_decode_rejects_bad_ids(tokenizer):
     assert tokenizer.decode([np.int64(28120), 905, 10**6]) == "hello world"  # past the vocabulary: nothing
 
 
+def test_decode_generated_is_decode_for_generated_ids(tokenizer):
+    """The detokenizer's unchecked decode: the same text for any list of valid ids, special
+    tokens kept or skipped, numpy ints and ids past the vocabulary alike."""
+    from engine.sampling.detokenizer import IncrementalDetokenizer
+    from engine.sampling_params import SamplingParams
+
+    ids = tokenizer.encode("<|im_start|>user\nHi é 你好 🙂<|im_end|>") + [10**6, 0, 1, 2]
+    for skip in (True, False):
+        assert tokenizer.decode_generated(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip)
+        for i in range(len(ids)):  # every cut, as the detokenizer's window slides
+            assert tokenizer.decode_generated(ids[i:], skip_special_tokens=skip) == tokenizer.decode(ids[i:], skip)
+    assert tokenizer.decode_generated([np.int64(28120), 905]) == "hello world"
+    detok = IncrementalDetokenizer(tokenizer, [1, 2], SamplingParams())
+    assert detok._decode == tokenizer.decode_generated
+
+
 def test_encode_rejects_non_text(tokenizer):
     with pytest.raises(ValueError, match="must be a str"):
         tokenizer.encode([1, 2])
