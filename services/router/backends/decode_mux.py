@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 import grpc
@@ -47,15 +48,33 @@ class MuxCall:
     def __init__(self, stream: DecodeMuxStream, request_id: str, timeout_s: float) -> None:
         self.stream = stream
         self.request_id = request_id
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # one reader (the call's DecodeStream): items, and its future while it waits for one
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False
-        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._timer = loop.call_later(timeout_s, self._expire)
 
     async def read(self) -> Any:
-        item = await self._queue.get()
+        if not self._items:
+            if self._waiter is not None:
+                raise RuntimeError(f"{self.request_id!r}: two readers of one call")
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, grpc.aio.AioRpcError):
             raise item
         return item
+
+    def _put(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def done(self) -> bool:
         return self._done
@@ -69,7 +88,7 @@ class MuxCall:
 
     def deliver(self, response: worker_pb2.DecodeResponse) -> None:
         if not self._done:
-            self._queue.put_nowait(response)
+            self._put(response)
 
     def end(self, item: Any) -> None:
         """The call ended: ``item`` is EOF (OK) or its AioRpcError."""
@@ -80,7 +99,7 @@ class MuxCall:
         self._done = True
         self._timer.cancel()
         self.stream.forget(self.request_id)
-        self._queue.put_nowait(item)
+        self._put(item)
 
     def _expire(self) -> None:
         if not self._done:

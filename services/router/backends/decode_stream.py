@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 
-from services.common.pb import worker_pb2
+from services.common.pb import generate_pb2, worker_pb2
 from services.common.wire import finish_from_proto, logprobs_list_from_proto
 from services.router.backends.backend import TokenEvent
 from services.router.backends.decode_mux import MuxCall
@@ -35,6 +35,8 @@ from services.router.routing.worker_pool import InFlight, Worker
 
 if TYPE_CHECKING:  # engine.sampling.logprobs imports torch; the router must not at import
     from engine.sampling.logprobs import PositionLogprobs
+
+_UNFINISHED = generate_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class DecodeStream:
@@ -58,18 +60,32 @@ class DecodeStream:
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The sample's events until one carries a finish reason (``is_finished`` turns true
         before that one is yielded). The owner closes the stream, finished or not."""
-        is_first = True
-        while not self.is_finished:
-            response = await self._next(is_first)
-            is_first = False
-            finish = finish_from_proto(response.finish_reason)
+        response = await self._next(True)
+        index = self.sample.index
+        while True:
+            # per token: the common response (tokens, no logprobs, not the last) costs no more
+            # than the TokenEvent it becomes
+            finish = (None if response.finish_reason == _UNFINISHED
+                      else finish_from_proto(response.finish_reason))
             self.is_finished = finish is not None
-            yield TokenEvent(
-                index=self.sample.index, token_ids=list(response.token_ids),
-                # cast: a generated token's logprobs always carry it (sampled), so no entry is None
-                logprobs=cast("list[PositionLogprobs] | None", logprobs_list_from_proto(response.logprobs)),
-                finish_reason=finish,
-                stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None)
+            # cast: a generated token's logprobs always carry it (sampled), so no entry is None
+            logprobs = (cast("list[PositionLogprobs] | None", logprobs_list_from_proto(response.logprobs))
+                        if response.logprobs else None)
+            stop_token_id = (response.stop_token_id if finish is not None and response.HasField("stop_token_id")
+                             else None)
+            yield TokenEvent(index=index, token_ids=list(response.token_ids), logprobs=logprobs,
+                             finish_reason=finish, stop_token_id=stop_token_id)
+            if self.is_finished:
+                return
+            alongside = self.alongside
+            if alongside is None or alongside.done():  # _next(False) inline: no frames per token
+                _raise_if_failed(alongside)
+                try:
+                    response = self._checked(await self.call.read())
+                except grpc.aio.AioRpcError as exc:
+                    raise worker_error(self.worker, exc, is_started=True) from exc
+            else:
+                response = await self._next(False)
 
     async def close(self) -> None:
         """Cancel the call unless it finished, and end the worker's in-flight share (idempotent)."""

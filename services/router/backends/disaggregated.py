@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from engine.sampling_params import SamplingParams
 from services.common.wire import TRANSFER_METHODS, compat_from_proto
@@ -112,23 +112,21 @@ class DisaggregatedBackend(Backend):
         if compats:
             await asyncio.to_thread(self.policy.configure, compats.pop())
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams) -> AsyncGenerator[TokenEvent, None]:
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams) -> AsyncGenerator[TokenEvent, None]:
+        """One sample's events are its ``_run`` itself (no pass-through generator per token);
+        bad input raises at the first ``anext``, as from any backend."""
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt is empty: give at least one token")
-        if params.n == 1:
-            sample = self._run(Sample.create(request_id, prompt, params, 0))
-            try:
-                async for event in sample:
-                    yield event
-            finally:  # the pipeline closing us must release both workers now, not at GC
-                await sample.aclose()
-            return
-        samples = [Sample.create(f"{request_id}/{i}", prompt, params.for_sample(i), i)
-                   for i in range(params.n)]
-        async for event in _merged([self._run(s) for s in samples]):
-            yield event
+        try:
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one token")
+            if params.n == 1:
+                return self._run(Sample.create(request_id, prompt, params, 0))
+            samples = [Sample.create(f"{request_id}/{i}", prompt, params.for_sample(i), i)
+                       for i in range(params.n)]
+        except ValueError as error:
+            return _raising(error)
+        return _merged([self._run(s) for s in samples])
 
     async def _run(self, sample: Sample) -> AsyncGenerator[TokenEvent, None]:
         """One sample: plan, then its path under migration."""
@@ -171,7 +169,14 @@ class DisaggregatedBackend(Backend):
         return self.remote.run(sample, plan)
 
 
-async def _merged(samples: list[AsyncGenerator[TokenEvent, None]]) -> AsyncIterator[TokenEvent]:
+async def _raising(error: Exception) -> AsyncGenerator[TokenEvent, None]:
+    """An event stream that fails with ``error`` when first read."""
+    if error is not None:
+        raise error
+    yield  # unreachable: makes this an async generator
+
+
+async def _merged(samples: list[AsyncGenerator[TokenEvent, None]]) -> AsyncGenerator[TokenEvent, None]:
     """The events of every sample as they come; the first error ends all of them."""
     queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
 

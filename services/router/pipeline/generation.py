@@ -184,7 +184,10 @@ class Generation:
         if self._is_closed:
             raise BackendError(f"request {self.request_id}: read after the request was closed")
         try:
-            event = await self._before_deadline(anext(self._events))
+            if self.deadline is None:  # no coroutine per token to watch a deadline it has not
+                event = await anext(self._events)
+            else:
+                event = await self._before_deadline(anext(self._events))
         except StopAsyncIteration:
             self._has_failed = True
             raise BackendError(f"request {self.request_id}: the backend's stream ended before "
