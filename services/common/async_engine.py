@@ -38,7 +38,14 @@ class OutputQueue(asyncio.Queue[RequestOutput | BaseException]):
     consumer that fell behind the engine (a decode worker's gRPC writes, the router's SSE
     writes, more per step than the step takes) catches up in one write instead of one per
     step, so the cost per token falls as the load rises. Nothing waits for more: a consumer
-    that keeps up gets every step's output on its own."""
+    that keeps up gets every step's output on its own.
+
+    ``sink``, when its consumer sets one: the engine's dispatch offers it each output that is
+    not the finished one while nothing is queued, and queues what it refuses (returns False):
+    a consumer that can take an output at once (a DecodeMany call's outbox) then costs no task
+    wake-up per token; the finished output always comes through the queue."""
+
+    sink: Callable[[RequestOutput], bool] | None = None
 
     def _init(self, maxsize: int) -> None:
         self._queue: deque[RequestOutput | BaseException] = deque()
@@ -260,8 +267,12 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             queue = self._queues.get(output.parent_id or output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            if queue is None:
+                continue
+            sink = queue.sink
+            if sink is not None and not output.finished and queue.empty() and sink(output):
+                continue
+            queue.put_nowait(output)
 
     def _fail_all(self, error: BaseException) -> None:
         for queue in self._queues.values():

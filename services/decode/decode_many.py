@@ -65,6 +65,14 @@ class Outbox:
             self._sent.clear()
             await self._sent.wait()
 
+    def has_room(self) -> bool:
+        """A ``write_nowait`` now leaves the outbox below ``MAX_QUEUED`` (nothing to wait for)."""
+        return len(self._outputs) + 1 < MAX_QUEUED
+
+    def write_nowait(self, response: worker_pb2.DecodeResponse) -> None:
+        self._outputs.append(response)
+        self._ready.set()
+
     def end(self, request_id: str, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "",
             metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._ends.append(worker_pb2.DecodeCallEnd(request_id=request_id, code=code.value[0],
@@ -108,6 +116,13 @@ class CallWriter:
         if self.cancelled:
             raise asyncio.CancelledError()
         await self.outbox.write(response)
+
+    def can_write_now(self) -> bool:
+        """``write_nowait`` may run: not cancelled, and the outbox has room (OutputStream's sink)."""
+        return not self.cancelled and self.outbox.has_room()
+
+    def write_nowait(self, response: worker_pb2.DecodeResponse) -> None:
+        self.outbox.write_nowait(response)
 
 
 async def serve_decode_many(requests: AsyncIterator[worker_pb2.DecodeManyRequest],
