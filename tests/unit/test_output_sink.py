@@ -52,6 +52,15 @@ async def _stream_through(engine: AsyncEngine, writer, steps: list[list[RequestO
     return written, streams[seen[-1]], calls
 
 
+async def _start(engine: AsyncEngine, writer: CallWriter, request_id: str
+                 ) -> tuple[OutputStream, asyncio.Future[None]]:
+    """A call's OutputStream writing into ``writer``, its sink installed."""
+    stream = OutputStream(engine, request_id, engine.subscribe(request_id))
+    task = asyncio.ensure_future(stream.write_all(writer, lambda o, r: None))
+    await asyncio.sleep(0)
+    return stream, task
+
+
 def test_the_sink_writes_what_the_loop_would_and_the_task_wakes_only_to_finish():
     async def scenario():
         engine = AsyncEngine()
@@ -119,10 +128,8 @@ def test_a_cancelled_call_takes_nothing_more_from_the_dispatch():
     async def scenario():
         engine = AsyncEngine()
         writer = CallWriter(Outbox())
-        stream = OutputStream(engine, "a", engine.subscribe("a"))
-        task = asyncio.ensure_future(stream.write_all(writer, lambda o, r: None))
-        writer.task = task
-        await asyncio.sleep(0)
+        _, task = await _start(engine, writer, "a")
+        writer.task = task  # type: ignore[assignment]
         outs = _outputs("a", 4)
         engine._dispatch([outs[0]])
         assert len(writer.outbox._outputs) == 1  # taken by the sink, no wake-up
@@ -140,13 +147,9 @@ def test_a_conversion_the_sink_cannot_do_fails_in_the_calls_own_task():
     async def scenario():
         engine = AsyncEngine()
         writer = CallWriter(Outbox())
-        stream = OutputStream(engine, "a", engine.subscribe("a"))
-        task = asyncio.ensure_future(stream.write_all(writer, lambda o, r: None))
-        await asyncio.sleep(0)
+        _, task = await _start(engine, writer, "a")
         bad = RequestOutput("a", [1], finish_reason="no such reason")  # decode_response raises
-        other = OutputStream(engine, "b", engine.subscribe("b"))
-        other_task = asyncio.ensure_future(other.write_all(writer, lambda o, r: None))
-        await asyncio.sleep(0)
+        _, other_task = await _start(engine, writer, "b")
         engine._dispatch([bad, *_outputs("b", 1)])  # the dispatch goes on to "b"
         with pytest.raises(KeyError):
             await asyncio.wait_for(task, 5)
@@ -163,9 +166,7 @@ def test_an_output_behind_a_queued_one_waits_its_turn():
         engine = AsyncEngine()
         outbox = Outbox()
         writer = CallWriter(outbox)
-        stream = OutputStream(engine, "a", engine.subscribe("a"))
-        task = asyncio.ensure_future(stream.write_all(writer, lambda o, r: None))
-        await asyncio.sleep(0)
+        _, task = await _start(engine, writer, "a")
         outs = _outputs("a", 5)
         engine._dispatch([outs[0]])
         engine._dispatch([outs[1]])
