@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import subprocess
 import sys
 import time
 
+from loadtests.cluster import cpu_seconds
 from services.common.ports import free_port
 
 
@@ -70,11 +70,6 @@ def _serve(model: str | None, port: int, step_s: float) -> None:
     asyncio.run(run())
 
 
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _load(url: str, model: str, prompt: str, n: int, concurrency: int, tokens: int) -> int:
     import aiohttp
 
@@ -112,9 +107,9 @@ def main(args: argparse.Namespace) -> None:
               f"{args.step_ms} ms (budget {budget_us:.1f} us of one core per token)")
         per_token = []
         for rep in range(args.reps):
-            before, started = _cpu_s(proc.pid), time.perf_counter()
+            before, started = cpu_seconds(proc.pid), time.perf_counter()
             tokens = asyncio.run(_load(url, model_name, text, args.requests, args.concurrency, args.tokens))
-            wall, cpu = time.perf_counter() - started, _cpu_s(proc.pid) - before
+            wall, cpu = time.perf_counter() - started, cpu_seconds(proc.pid) - before
             per_token.append(cpu / tokens * 1e6)
             print(f"  rep {rep + 1}: {tokens} tokens in {wall:.2f} s ({tokens / wall:,.0f} tok/s), "
                   f"router {per_token[-1]:.1f} us/token = {per_token[-1] / budget_us:.2f}x the budget")

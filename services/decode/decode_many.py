@@ -59,8 +59,7 @@ class Outbox:
         self._closing = False
 
     async def write(self, response: worker_pb2.DecodeResponse) -> None:
-        self._outputs.append(response)
-        self._ready.set()
+        self.write_nowait(response)
         while len(self._outputs) >= MAX_QUEUED:
             self._sent.clear()
             await self._sent.wait()

@@ -60,9 +60,14 @@ class DecodeStream:
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The sample's events until one carries a finish reason (``is_finished`` turns true
         before that one is yielded). The owner closes the stream, finished or not."""
-        response = await self._next(True)
         index = self.sample.index
+        read = self.open  # the first response (read once), then the next ones
         while True:
+            try:
+                response = await read()
+            except grpc.aio.AioRpcError as exc:
+                raise worker_error(self.worker, exc, is_started=True) from exc
+            read = self._read
             # per token: the common response (tokens, no logprobs, not the last) costs no more
             # than the TokenEvent it becomes
             finish = (None if response.finish_reason == _UNFINISHED
@@ -77,27 +82,12 @@ class DecodeStream:
                              finish_reason=finish, stop_token_id=stop_token_id)
             if self.is_finished:
                 return
-            alongside = self.alongside
-            if alongside is None or alongside.done():  # _next(False) inline: no frames per token
-                _raise_if_failed(alongside)
-                try:
-                    response = self._checked(await self.call.read())
-                except grpc.aio.AioRpcError as exc:
-                    raise worker_error(self.worker, exc, is_started=True) from exc
-            else:
-                response = await self._next(False)
 
     async def close(self) -> None:
         """Cancel the call unless it finished, and end the worker's in-flight share (idempotent)."""
         if not self.is_finished and not self.call.done():
             self.call.cancel()
         self.in_flight.end()
-
-    async def _next(self, is_first: bool) -> worker_pb2.DecodeResponse:
-        try:
-            return await (self.open() if is_first else self._read())
-        except grpc.aio.AioRpcError as exc:
-            raise worker_error(self.worker, exc, is_started=True) from exc
 
     async def _read(self) -> worker_pb2.DecodeResponse:
         """The next response, failing early if ``alongside`` fails meanwhile."""
