@@ -42,6 +42,38 @@ from services.worker.kv_shm import SHM_DIR, Segment, ShmArena, ShmUnavailable, p
 
 log = logging.getLogger(__name__)
 
+# How long past its deadline a push may go unanswered before the push thread cancels it.
+DEADLINE_GUARD_S = 1.0
+# How long close() waits for its channels: gRPC's close waits for the calls still writing
+# to a receiver that has stopped reading, which can be forever.
+CLOSE_WAIT_S = 2.0
+
+
+class PushTimedOut(KVTransferError):
+    """A push that outlived its deadline by DEADLINE_GUARD_S without gRPC ending it."""
+
+
+def call_push_blocks(stub: kv_pb2_grpc.KVTransferServiceStub,
+                     chunks: Iterator[kv_pb2.PushBlocksChunk], timeout_s: float,
+                     guard_s: float = DEADLINE_GUARD_S) -> kv_pb2.PushBlocksAck:
+    """PushBlocks, on its deadline whatever the receiver does.
+
+    Through the future API: grpcio's blocking stream-unary call (seen with 1.85) never ends
+    when a message larger than the flow-control window waits on a receiver that has stopped
+    reading (a frozen process); its deadline passes and the calling thread waits forever. The
+    future's call honours it. Should one still be unanswered ``guard_s`` past the deadline,
+    it is cancelled and PushTimedOut raised, so a push thread and its source blocks are never
+    held longer than that.
+    """
+    call = stub.PushBlocks.future(chunks, timeout=timeout_s)
+    try:
+        ack: kv_pb2.PushBlocksAck = call.result(timeout=timeout_s + guard_s)
+    except grpc.FutureTimeoutError:
+        call.cancel()
+        raise PushTimedOut(f"no answer {timeout_s + guard_s:g} s after the push began "
+                           f"(deadline {timeout_s:g} s); cancelled") from None
+    return ack
+
 
 def fetch_remote_handshake(address: str, local: KVHandshake,
                            timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> KVHandshake:
@@ -57,6 +89,15 @@ def fetch_remote_handshake(address: str, local: KVHandshake,
             raise KVTransferError(f"KV handshake with {address} failed: "
                                   f"{exc.code().name}: {exc.details()}") from exc
     return handshake_from_proto(reply)
+
+
+def push_error(exc: BaseException) -> str:
+    """A failed push's error for its handle: the gRPC status first (``CODE: details``)."""
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, PushTimedOut):
+        return f"DEADLINE_EXCEEDED: {exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class GrpcKVSender(GrpcEndpoint, KVSender):
@@ -139,8 +180,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             handle.state = TransferState.DONE
         else:
             handle.state = TransferState.FAILED
-            handle.error = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError)
-                            else f"{type(exc).__name__}: {exc}")
+            handle.error = push_error(exc)
         return handle.state
 
     def close(self) -> None:
@@ -148,9 +188,15 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
         if self._arena is not None:
             self._arena.close()
         with self._channels_lock:
-            for channel in self._channels.values():
-                channel.close()
+            channels = list(self._channels.values())
             self._channels.clear()
+        closer = threading.Thread(target=lambda: [c.close() for c in channels],
+                                  name="kv-push-close", daemon=True)
+        closer.start()
+        closer.join(CLOSE_WAIT_S)
+        if closer.is_alive():
+            log.warning("KV push channels still closing after %g s (a receiver has stopped "
+                        "reading); not waiting for them", CLOSE_WAIT_S)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._channels_lock:
@@ -171,8 +217,8 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
                 segment.array[:payload.numel()] = payload.numpy()
             header.shm_name, header.shm_offset = segment.name, 0
             try:
-                shared_ack: kv_pb2.PushBlocksAck = stub.PushBlocks(
-                    iter([kv_pb2.PushBlocksChunk(header=header)]), timeout=self.timeout_s)
+                shared_ack = call_push_blocks(
+                    stub, iter([kv_pb2.PushBlocksChunk(header=header)]), self.timeout_s)
             except BaseException:
                 self._arena.release(segment, reuse=False)  # the receiver may still read it
                 raise
@@ -186,8 +232,7 @@ class GrpcKVSender(GrpcEndpoint, KVSender):
             for offset, data in iter_chunks(payload, self.max_chunk_bytes):
                 yield kv_pb2.PushBlocksChunk(offset=offset, data=faults().kv_corrupted(data))
 
-        ack: kv_pb2.PushBlocksAck = stub.PushBlocks(chunks(), timeout=self.timeout_s)
-        return ack
+        return call_push_blocks(stub, chunks(), self.timeout_s)
 
     def _segment(self, address: str, nbytes: int) -> Segment | None:
         """A shared-memory segment for a push to ``address``, or None: push bytes."""

@@ -359,21 +359,60 @@ def test_grpc_sender_with_corrupt_fault_fails_the_transfer(grpc_receiver, monkey
     assert not faults().plan.is_active
 
 
-def test_grpc_sender_checks_ids_and_reports_deadline(grpc_receiver):
+def test_grpc_sender_checks_ids(grpc_receiver):
     from services.prefill.kv_grpc_sender import fetch_remote_handshake
     address, _ = grpc_receiver
-    sender = _grpc_sender(timeout_s=1e-4)
+    sender = _grpc_sender()
     try:
         remote = sender.connect(fetch_remote_handshake(address, sender.handshake_info()), address)
         with pytest.raises(KVTransferError, match=r"destination block ids \[48\] out of range"):
             sender.send_blocks("r", [0], remote, [48])
         with pytest.raises(KVTransferError, match="pair up 1:1"):
             sender.send_blocks("r", [0, 1], remote, [2])
-        handle = sender.send_blocks("late", list(range(40)), remote, list(range(40)))
-        assert _wait(sender, handle) is TransferState.FAILED
-        assert handle.error.startswith("DEADLINE_EXCEEDED")
     finally:
         sender.close()
+
+
+def test_grpc_sender_reports_deadline_from_a_receiver_that_stops_answering():
+    """A push to a receiver that has stopped answering fails with DEADLINE_EXCEEDED once
+    ``timeout_s`` has passed, through shared memory and as bytes. The receiver is a real one,
+    connected to by a first push that lands, then frozen with SIGSTOP. (A live receiver with a
+    0.1 ms deadline was a race: on a loaded machine gRPC's deadline timer could fire after the
+    one-header shared-memory push had been acked.)"""
+    import signal
+
+    from services.prefill.kv_grpc_sender import CLOSE_WAIT_S, fetch_remote_handshake
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_grpc_receiver_main, args=(child, MODEL), daemon=True)
+    proc.start()
+    senders = [_grpc_sender(timeout_s=0.3, shared_memory=shm) for shm in (True, False)]
+    try:
+        assert parent.poll(60), "receiver process did not start"
+        address = f"127.0.0.1:{parent.recv()}"
+        remotes = [s.connect(fetch_remote_handshake(address, s.handshake_info()), address)
+                   for s in senders]
+        assert [s.is_shared(address) for s in senders] == [True, False]
+        for sender, remote in zip(senders, remotes):
+            handle = sender.send_blocks("first", [1], remote, [2])
+            assert _wait(sender, handle) is TransferState.DONE, handle.error
+            assert _landed(parent)[0]["request_id"] == "first"
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        handles = [s.send_blocks("late", list(range(40)), r, list(range(40)))
+                   for s, r in zip(senders, remotes)]
+        for sender, handle in zip(senders, handles):
+            assert _wait(sender, handle) is TransferState.FAILED
+            assert handle.error.startswith("DEADLINE_EXCEEDED"), handle.error
+        assert time.monotonic() - started >= 0.3
+        closing = time.monotonic()  # gRPC's own close waits for the frozen receiver
+        for sender in senders:
+            sender.close()
+        assert time.monotonic() - closing < 2 * CLOSE_WAIT_S + 1
+    finally:
+        proc.kill()
+        proc.join(10)
+        for sender in senders:
+            sender.close()
 
 
 # ---------------------------------------------------------------- NIXL, two processes
