@@ -79,6 +79,7 @@ class IndexPublisher:
         self._first_pending_at = 0.0
         self._needs_register = True
         self._needs_snapshot = True
+        self._snapshotting = False  # a snapshot is being sent (its flag already cleared)
         self._closing = False
         self._disabled = False
         self._next_heartbeat = 0.0
@@ -138,9 +139,10 @@ class IndexPublisher:
 
     @property
     def is_synced(self) -> bool:
-        """Registered, no snapshot pending and every queued op applied."""
+        """Registered, no snapshot pending or being sent, and every queued op applied."""
         with self._cond:
-            return not (self._needs_register or self._needs_snapshot or self._queue)
+            return not (self._needs_register or self._needs_snapshot or self._snapshotting
+                        or self._queue)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread and remove this worker's entries from the index (best effort)."""
@@ -227,24 +229,29 @@ class IndexPublisher:
             seq_at = self._next_seq - 1
             self._queue.clear()
             self._needs_snapshot = False
+            self._snapshotting = True
             reason = self._resync_reason
         try:
-            holdings = self._holdings()
-            status = self._scripts.snapshot(
-                self.worker.worker_id, self.epoch, seq_at,
-                ((h.hex(), int(mask)) for h, mask in holdings.items()),
-                self.config.snapshot_chunk_blocks)
-        except BaseException:
-            self.request_snapshot("retry")
-            raise
-        self._count(f"snapshot_{status.lower()}")
-        if status == "OK":
-            self._count(f"resync_{reason}")
-        if status == "FENCED":
-            self._fenced()
-        elif status != "OK":  # STALE: another writer of this epoch; retry after a backoff
-            self.request_snapshot("retry")
-            raise RuntimeError(f"prefix index snapshot of {self.worker.worker_id} was {status}")
+            try:
+                holdings = self._holdings()
+                status = self._scripts.snapshot(
+                    self.worker.worker_id, self.epoch, seq_at,
+                    ((h.hex(), int(mask)) for h, mask in holdings.items()),
+                    self.config.snapshot_chunk_blocks)
+            except BaseException:
+                self.request_snapshot("retry")
+                raise
+            self._count(f"snapshot_{status.lower()}")
+            if status == "OK":
+                self._count(f"resync_{reason}")
+            elif status == "FENCED":
+                self._fenced()
+            else:  # STALE: another writer of this epoch; retry after a backoff
+                self.request_snapshot("retry")
+                raise RuntimeError(f"prefix index snapshot of {self.worker.worker_id} was {status}")
+        finally:  # after its counts and follow-up flags: is_synced never sees a gap between
+            with self._cond:
+                self._snapshotting = False
 
     def _set_flags(self, register: bool) -> None:
         with self._cond:

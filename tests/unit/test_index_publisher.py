@@ -121,6 +121,35 @@ def test_queue_overflow_becomes_a_snapshot(redis_server, index):
         worker.publisher.close()
 
 
+def test_a_snapshot_being_sent_is_not_synced(redis_server, index):
+    """is_synced turns true once the snapshot is in Redis and counted, not when it begins (a
+    test that waited for is_synced then read the counts once saw the snapshot still in flight,
+    on a loaded machine)."""
+    import threading
+    reading, release = threading.Event(), threading.Event()
+    worker = Worker(redis_server.url)
+    truth = worker.publisher._holdings
+
+    def slow_holdings() -> dict[BlockHash, int]:
+        reading.set()
+        assert release.wait(10)
+        return truth()
+
+    worker.publisher._holdings = slow_holdings
+    worker.store(H[:2])
+    worker.publisher.start()
+    try:
+        assert reading.wait(10), "the publisher never began its snapshot"
+        assert not worker.publisher.is_synced  # the flag is cleared, the snapshot not sent
+        release.set()
+        wait_for(lambda: worker.publisher.is_synced)
+        assert worker.publisher.counts.get("resync_start") == 1
+        assert held(index) == worker.truth
+    finally:
+        release.set()
+        worker.publisher.close()
+
+
 @pytest.mark.parametrize("outage", ["flush", "restart"])
 def test_index_rebuilt_within_two_heartbeats(redis_server, index, outage):
     """Counted in the publisher's own heartbeats, not in wall time: on a loaded machine (another
