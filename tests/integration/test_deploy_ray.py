@@ -82,9 +82,15 @@ def expected(loaded_model) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_ray_serve_1p1d_parity_then_two_decode_replicas(expected: dict[str, str], tmp_path) -> None:
+def test_ray_serve_1p1d_parity_then_two_decode_replicas(expected: dict[str, str], tmp_path,
+                                                         monkeypatch) -> None:
     from services.ray.builder import build_pdserve_app
 
+    # Serve's controller kills a proxy that is not ready within 5 s, 3 times in a row, and
+    # starts another: with both cores busy a proxy took longer than that to start, so none
+    # ever came up (serve.start: 2.7 s when idle; never, or 99 s with this, beside two busy
+    # loops). Read by the controller, which inherits this process's environment via ray.init.
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     port = free_port()
     ray.init(num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo"}})
