@@ -171,8 +171,7 @@ class DisaggregatedBackend(Backend):
 
 async def _raising(error: Exception) -> AsyncGenerator[TokenEvent, None]:
     """An event stream that fails with ``error`` when first read."""
-    if error is not None:
-        raise error
+    raise error
     yield  # unreachable: makes this an async generator
 
 
