@@ -130,16 +130,26 @@ def _grpc_receiver_main(conn, model_name: str) -> None:
     asyncio.run(main())
 
 
-@pytest.fixture(scope="module")
-def grpc_receiver():
+def _spawn_grpc_receiver():
+    """A receiver process (``_grpc_receiver_main``) serving: (process, its pipe, address)."""
+    from services.common.health import wait_until_serving
     parent, child = SPAWN.Pipe()
     proc = SPAWN.Process(target=_grpc_receiver_main, args=(child, MODEL), daemon=True)
     proc.start()
     try:
         assert parent.poll(60), "receiver process did not start"
         address = f"127.0.0.1:{parent.recv()}"
-        from services.common.health import wait_until_serving
         asyncio.run(wait_until_serving(address, timeout_s=10))
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, parent, address
+
+
+@pytest.fixture(scope="module")
+def grpc_receiver():
+    proc, parent, address = _spawn_grpc_receiver()
+    try:
         yield address, parent
     finally:
         parent.send("stop")
@@ -382,13 +392,9 @@ def test_grpc_sender_reports_deadline_from_a_receiver_that_stops_answering():
     import signal
 
     from services.prefill.kv_grpc_sender import CLOSE_WAIT_S, fetch_remote_handshake
-    parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=_grpc_receiver_main, args=(child, MODEL), daemon=True)
-    proc.start()
+    proc, parent, address = _spawn_grpc_receiver()
     senders = [_grpc_sender(timeout_s=0.3, shared_memory=shm) for shm in (True, False)]
     try:
-        assert parent.poll(60), "receiver process did not start"
-        address = f"127.0.0.1:{parent.recv()}"
         remotes = [s.connect(fetch_remote_handshake(address, s.handshake_info()), address)
                    for s in senders]
         assert [s.is_shared(address) for s in senders] == [True, False]
