@@ -43,6 +43,7 @@ def main() -> int:
     from kernels import (
         activation,
         block_copy,
+        gemv,
         paged_attention,
         quant_triton,
         rms_norm,
@@ -106,14 +107,23 @@ def main() -> int:
          "default": "*bf16"}, dict(SRC_INDEXED=True, DST_INDEXED=True, BLOCK=4096)),
     ]
     # the quantized GEMV, one job per block format (kernels.quant_triton.pack's tensors)
-    gemv = {"x_ptr": "*fp32", "out_ptr": "*fp32", "d_ptr": "*fp16", "m_ptr": "*fp16", "default": "*u8"}
+    quant_pointers = {"x_ptr": "*fp32", "out_ptr": "*fp32", "d_ptr": "*fp16", "m_ptr": "*fp16", "default": "*u8"}
     tiles = dict(BLOCK_N=quant_triton.BLOCK_N, BLOCK_K=quant_triton.BLOCK_K)
     for name, pointers, flags in (
             ("q8_0", {"qs_ptr": "*i8"}, dict(FOUR_BIT=False, K_QUANT=False, SIX_BIT=False)),
             ("q4_1", {}, dict(FOUR_BIT=True, K_QUANT=False, SIX_BIT=False)),
             ("q4_k", {}, dict(FOUR_BIT=True, K_QUANT=True, SIX_BIT=False)),
             ("q6_k", {"qs_ptr": "*i8", "sc_ptr": "*i8"}, dict(FOUR_BIT=False, K_QUANT=False, SIX_BIT=True))):
-        jobs.append((f"quant GEMV {name}", quant_triton._quant_gemv_kernel, {**gemv, **pointers}, {**flags, **tiles}))
+        jobs.append((f"quant GEMV {name}", quant_triton._quant_gemv_kernel, {**quant_pointers, **pointers},
+                     {**flags, **tiles}))
+    # the decode GEMV with each prologue, at one row and at the most rows, bf16 and fp32
+    for prologue, label in ((gemv.NONE, "linear"), (gemv.RMS_NORM, "rms_norm + linear"),
+                            (gemv.SILU_MUL, "silu_and_mul + linear")):
+        for rows, dtype in ((1, "bf16"), (gemv.MAX_ROWS, "bf16"), (1, "fp32")):
+            config = gemv.CANDIDATES[rows][0]
+            jobs.append((f"GEMV {label}, {rows} row(s), {dtype}", gemv._gemv_kernel, {"default": f"*{dtype}"},
+                         dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == gemv.RMS_NORM, BLOCK_M=rows,
+                              BLOCK_N=config.block_n, BLOCK_K=config.block_k)))
     for name, kernel, pointers, constexprs in jobs:
         _compile(kernel, pointers, constexprs)
         print(f"ok  {name} (sm_{TARGET_ARCH})", flush=True)

@@ -30,6 +30,8 @@ class Ops:
     pack_quant: Callable[..., Any] = pack_quant_ref  # default: the dequantize-then-matmul reference
     quant_linear: Callable[..., torch.Tensor] = quant_linear_ref
     norm_quant_linear: Callable[..., Any] | None = None  # fused rms_norm + quant_linear, where compiled
+    norm_linear: Callable[..., Any] | None = None  # rms_norm + linear in one call, where written (Triton)
+    silu_and_mul_linear: Callable[..., torch.Tensor] | None = None  # silu_and_mul + linear, likewise
     # model -> its layers in one compiled call (kernels.cpu.decoder_stack.build), or None; used for
     # steps of at most stack_max_tokens tokens (where every op of the step is the compiled one)
     decoder_stack: Callable[..., Any] | None = None

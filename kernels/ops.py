@@ -23,6 +23,10 @@
     ops.quant_linear(x, handle)                       -> x @ the blocks' values, transposed
     ops.norm_quant_linear(x, weight, eps, residual, handle) -> (quant_linear(rms_norm(x + residual)),
                                                       x + residual) in one call; None: not fused
+    ops.norm_linear(x, weight, eps, residual, handle) -> (linear(rms_norm(x + residual)), x + residual)
+                                                      in one call where measured faster (Triton,
+                                                      kernels.gemv); None: the two calls
+    ops.silu_and_mul_linear(x, handle)                -> linear(silu_and_mul(x), handle), likewise
     ops.decoder_stack(model)                          -> the model's layers as one compiled call
                                                       (quantized weights), or None; serves steps
                                                       of up to ops.stack_max_tokens tokens
@@ -78,8 +82,6 @@ def select_backend(device: torch.device | str, dtype: torch.dtype = torch.float3
 def get_ops(backend: str, dims: ModelDims | None = None) -> Ops:
     """The op table of ``backend`` ('triton', 'cpu' or 'torch'); for 'cpu', ``dims``
     (``kernels.calibration.ModelDims``) selects the measured mix, None the compiled kernels."""
-    from kernels.linear import linear_ref, pack_linear_ref
-
     if backend == "torch":
         return torch_ops()
     if backend == "cpu":
@@ -89,6 +91,7 @@ def get_ops(backend: str, dims: ModelDims | None = None) -> Ops:
 
         return measured_ops(calibrate(dims))
     if backend == "triton":
+        from kernels import gemv
         from kernels.activation import silu_and_mul
         from kernels.paged_attention import paged_attention, rotary_store_attention
         from kernels.quant_triton import pack as pack_quant
@@ -101,7 +104,8 @@ def get_ops(backend: str, dims: ModelDims | None = None) -> Ops:
         quant_device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
         return Ops(rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
                    store_kv=store_kv, paged_attention=paged_attention,
-                   pack_linear=pack_linear_ref, linear=linear_ref,
+                   pack_linear=gemv.pack_linear, linear=gemv.linear, norm_linear=gemv.norm_linear,
+                   silu_and_mul_linear=gemv.silu_and_mul_linear,
                    pack_quant=lambda rows: pack_quant(rows, quant_device), quant_linear=quant_linear,
                    rotary_store_kv=rotary_store_kv, rotary_store_attention=rotary_store_attention)
     raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")

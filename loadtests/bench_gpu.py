@@ -21,7 +21,9 @@ against HF on the same weights.
   tok/s of 1/16/64/256 concurrent 128-token prompts x 128 tokens; HF ``generate`` (sdpa) at
   batch 1 and 64 in the same run, each pdserve number printed as a ratio to its baseline; then
   batch 1 and the largest concurrency again with ``async_scheduling='off'`` (``sync_*``,
-  ``async_vs_sync_*``: what scheduling one decode step ahead gives, same run).
+  ``async_vs_sync_*``: what scheduling one decode step ahead gives, same run), and batch 1 with
+  ``PDSERVE_TRITON_GEMV=off`` (``no_gemv_*``, ``gemv_vs_none_b1``: what the fused decode GEMV
+  gives; ``gemv`` lists what the engine's timing chose per matmul and row count).
 One JSON line per measurement on stdout and in ``<out>/results.jsonl``.
 """
 
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kernels.gemv import GEMV_ENV
 from loadtests.prompts import distinct_prompts
 
 DRY = os.environ.get("DRY") == "1"
@@ -282,7 +285,8 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         row.update(decode_b1_tok_s=round(b1, 1), b1_vs_bound=round(b1 / bound, 3),
                    num_kv_blocks=llm.engine.runner.num_blocks,
                    graphs=len(llm.engine.runner.decode_graphs.sizes),
-                   fused_decode_attention=llm.engine.runner.model.ops.rotary_store_attention is not None)
+                   fused_decode_attention=llm.engine.runner.model.ops.rotary_store_attention is not None,
+                   gemv=llm.engine.runner.gemv_choices)
         long = distinct_prompts(tokenizer, 512, 4 if DRY else 16, salt=13)
         row["prefill_tok_s"] = round(sum(map(len, long)) / generate_seconds(llm, long, 1), 1)
         for c in concurrency:
@@ -300,6 +304,17 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         row.update(sync_decode_b1_tok_s=round(b1_sync, 1), sync_out_tok_s_c=round(big_sync, 1),
                    async_vs_sync_b1=round(b1 / b1_sync, 3),
                    async_vs_sync_c=round(row[f"out_tok_s_c{big}"] / big_sync, 3))
+        del llm
+        _free()
+        # and without the fused decode GEMV (kernels.gemv): what it gives at batch 1, same run
+        os.environ[GEMV_ENV] = "off"
+        try:
+            llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
+            generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
+            b1_plain = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
+        finally:
+            os.environ.pop(GEMV_ENV)
+        row.update(no_gemv_decode_b1_tok_s=round(b1_plain, 1), gemv_vs_none_b1=round(b1 / b1_plain, 3))
         del llm
     except Exception:  # noqa: BLE001
         row["error"] = traceback.format_exc()[-3000:]

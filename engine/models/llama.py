@@ -115,12 +115,18 @@ class LlamaForCausalLM:
         weights = {name: weights[name].to(device=self.device, dtype=dtype) for name in weights
                    if quant_plan is None or name not in quant_plan}
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.norm_linear: Any = None  # fused rms_norm + matmul (Ops.norm_quant_linear) or None
+        # fused rms_norm + matmul (Ops.norm_linear, Ops.norm_quant_linear) and silu_and_mul +
+        # matmul (Ops.silu_and_mul_linear), or None: the separate ops
+        self.norm_linear: Any = None
+        self.silu_and_mul_linear: Any = None
         if quant_plan is None:
             self.weight_bytes = _step_weight_bytes(weights)
-            # Tied embeddings: the LM head is a second, transposed copy (read once per step).
+            # Tied embeddings: the LM head is the embedding transposed (a copy where the backend
+            # packs [in, out]; read once per step).
             self.lm_head = ops.pack_linear(weights.get("lm_head.weight", self.embed_tokens).t())
             self.linear = ops.linear
+            self.norm_linear = ops.norm_linear
+            self.silu_and_mul_linear = ops.silu_and_mul_linear
         else:
             from engine.models.quant_weights import HEAD, plan_bytes
 
@@ -188,7 +194,10 @@ class LlamaForCausalLM:
             hidden = mm(out.reshape(num_tokens, self.q_size), layer.o_weight)
             gate_up, residual = self._norm_matmul(hidden, residual, layer.post_attention_norm,
                                                   layer.gate_up_weight)
-            hidden = mm(ops.silu_and_mul(gate_up), layer.down_weight)
+            if self.silu_and_mul_linear is not None:
+                hidden = self.silu_and_mul_linear(gate_up, layer.down_weight)
+            else:
+                hidden = mm(ops.silu_and_mul(gate_up), layer.down_weight)
         normed: torch.Tensor
         normed, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return normed
@@ -196,7 +205,7 @@ class LlamaForCausalLM:
     def _norm_matmul(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
                      weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(hidden + residual) @ weight, hidden + residual); residual None: no add.
-        One fused call where the backend has it (``Ops.norm_quant_linear``)."""
+        One fused call where the backend has it (``Ops.norm_linear``, ``Ops.norm_quant_linear``)."""
         eps = self.config.rms_norm_eps
         if residual is None:
             return self.linear(self.ops.rms_norm(hidden, norm, eps), weight), hidden

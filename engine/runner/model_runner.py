@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -27,7 +28,7 @@ from engine.runner.inputs import ScheduledSeq, build_model_input
 from engine.runner.logit_rows import LogitRows, plan_logit_rows
 from engine.runner.memory import gpu_kv_blocks
 from engine.runner.output import RunnerOutput
-from engine.runner.warmup import warm_up
+from engine.runner.warmup import choose_decode_matmuls, warm_up
 from engine.sampling.logprobs import compute_prompt_logprobs
 from engine.sampling.metadata import SamplingMetadata, samples_blind, takes_argmax
 from engine.sampling.sampler import Sampler, argmax_rows, greedy_tokens, tokens_or_none
@@ -36,6 +37,7 @@ from engine.spec_decode.verify import verify_drafts
 from engine.structured.bitmask import build_grammar_mask
 from kernels.block_copy import copy_blocks, copy_blocks_ref
 from kernels.calibration import ModelDims
+from kernels.gemv import gemv_mode
 from kernels.ops import Ops, compiled_ops, get_ops, select_backend
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class ModelRunner:
         dtype = getattr(torch, config.dtype)
         self.backend = select_backend(self.device, dtype)
         self.core_share: CoreShare | None = None
+        self.gemv_choices: list[str] = []  # kernels.gemv's choice per decode matmul, on CUDA
         if self.device.type == "cpu" and dtype == torch.float32:
             num_threads = configure_cpu_threads(config.num_threads, self.backend)
             if config.core_share:
@@ -82,6 +85,12 @@ class ModelRunner:
             ops = kv_quant_ops(ops, self.backend)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, ops, self.device, dtype,
                                       quant_plan=plan)
+        if self.backend == "triton" and self.device.type == "cuda" and gemv_mode() == "auto":
+            started = time.perf_counter()
+            self.gemv_choices = choose_decode_matmuls(self.model)
+            if self.gemv_choices:
+                log.info("decode matmuls: fused Triton GEMV or not, timed in %.1f s:\n  %s",
+                         time.perf_counter() - started, "\n  ".join(self.gemv_choices))
         cache = config.cache
         if self.device.type == "cuda" and cache.gpu_memory_utilization is not None and cache.num_blocks is None:
             scheduler = config.scheduler

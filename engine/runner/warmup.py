@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -72,3 +74,40 @@ def warm_up_fused_decode(model: LlamaForCausalLM, key_cache: torch.Tensor, value
         model.ops = dataclasses.replace(model.ops, rotary_store_attention=None)
         return False
     return True
+
+
+def choose_decode_matmuls(model: LlamaForCausalLM, rows: Sequence[int] | None = None) -> list[str]:
+    """Time each decode matmul of the model's (q/k/v, o, gate/up, down, the LM head) as the fused
+    Triton GEMV against the separate ops at each row bucket, and keep the faster per weight
+    (``kernels.gemv.choose``; the runner calls this on CUDA under ``$PDSERVE_TRITON_GEMV=auto``).
+    A model whose weights are not the Triton backend's dense ones has nothing to choose. If the
+    timing fails, every matmul takes the separate ops and the error is logged: an optimisation
+    first compiled on this device must not take the engine down. ``rows``: the row counts to time
+    (default ``kernels.gemv.ROW_BUCKETS``). Returns one line per matmul and row count, for the log."""
+    from kernels import gemv
+
+    layers = model.layers
+    if not layers or not isinstance(layers[0].qkv_weight, gemv.DenseWeight):
+        return []
+    kinds: list[tuple[str, list[Any], int, torch.Tensor | None]] = [
+        ("qkv", [layer.qkv_weight for layer in layers], gemv.RMS_NORM, layers[0].input_norm),
+        ("o", [layer.o_weight for layer in layers], gemv.NONE, None),
+        ("gate_up", [layer.gate_up_weight for layer in layers], gemv.RMS_NORM, layers[0].post_attention_norm),
+        ("down", [layer.down_weight for layer in layers], gemv.SILU_MUL, None),
+        ("lm_head", [model.lm_head], gemv.NONE, None),
+    ]
+    lines = []
+    try:
+        for name, weights, prologue, norm in kinds:
+            for choice in gemv.choose(weights, prologue, norm, model.config.rms_norm_eps,
+                                      rows or gemv.ROW_BUCKETS):
+                times = " ".join(f"{key} {seconds * 1e6:.1f}" for key, seconds in choice.seconds.items())
+                picked = "unfused" if choice.config is None else f"{choice.config.block_n}x{choice.config.block_k}"
+                lines.append(f"{name} rows {choice.num_rows}: {picked} (us per call: {times})")
+    except Exception:  # noqa: BLE001 - any failure: the separate ops serve
+        log.exception("timing the fused decode GEMV failed; every matmul takes the separate ops")
+        for _, weights, _, _ in kinds:
+            for weight in weights:
+                weight.configs.clear()
+        return ["failed: every matmul takes the separate ops (see the log)"]
+    return lines

@@ -45,7 +45,7 @@ def test_get_ops_tables():
     assert {f.name for f in dataclasses.fields(Ops)} == {
         "rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention", "pack_linear", "linear",
         "pack_quant", "quant_linear", "norm_quant_linear", "decoder_stack", "stack_max_tokens",
-        "argmax_rows", "rotary_store_kv", "rotary_store_attention"}
+        "argmax_rows", "rotary_store_kv", "rotary_store_attention", "norm_linear", "silu_and_mul_linear"}
     from kernels.paged_attention import rotary_store_attention
     from kernels.rotary_store_kv import rotary_store_kv
 
@@ -59,6 +59,11 @@ def test_get_ops_tables():
 
     assert torch_ops.quant_linear is quant_linear_ref and triton_ops.quant_linear is quant_linear
     assert torch_ops.norm_quant_linear is None and triton_ops.norm_quant_linear is None  # not fused
+    from kernels import gemv
+
+    assert triton_ops.linear is gemv.linear and triton_ops.norm_linear is gemv.norm_linear
+    assert triton_ops.silu_and_mul_linear is gemv.silu_and_mul_linear
+    assert torch_ops.norm_linear is None and torch_ops.silu_and_mul_linear is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         torch_ops.rms_norm = None
     with pytest.raises(ValueError, match="backend"):

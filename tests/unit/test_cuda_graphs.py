@@ -23,6 +23,7 @@ from engine.runner.cuda_graphs import (
     capture_sizes,
 )
 from engine.runner.inputs import ScheduledSeq, build_model_input
+from kernels.gemv import GEMV_ENV
 from kernels.ops import get_ops
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -60,7 +61,10 @@ INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
     # the Triton ops interpreted: the decode steps' fused attention over padding rows and stale
     # block-table rows, as the graphs run it
     pytest.param(("cpu", "triton"), marks=INTERPRETED, id="cpu-triton"),
-    pytest.param(("cuda", "triton"), marks=[GPU, pytest.mark.gpu], id="cuda")], ids=lambda p: p[0])
+    # and every matmul of the decode steps as the fused GEMV (kernels.gemv, forced on)
+    pytest.param(("cpu", "triton-gemv"), marks=INTERPRETED, id="cpu-triton-gemv"),
+    pytest.param(("cuda", "triton"), marks=[GPU, pytest.mark.gpu], id="cuda"),
+    pytest.param(("cuda", "triton-gemv"), marks=[GPU, pytest.mark.gpu], id="cuda-gemv")], ids=lambda p: p[0])
 def setup(request):
     return request.param
 
@@ -73,7 +77,9 @@ def device(setup):
 @pytest.fixture(scope="module")
 def model(setup):
     device, backend = setup
-    return LlamaForCausalLM(CONFIG, random_weights(CONFIG), get_ops(backend), device)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(GEMV_ENV, "on" if backend == "triton-gemv" else "off")
+        return LlamaForCausalLM(CONFIG, random_weights(CONFIG), get_ops(backend.removesuffix("-gemv")), device)
 
 
 def _capture(device):
