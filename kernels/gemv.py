@@ -29,7 +29,6 @@ measuring (the tests, and the interpreter on a CPU), ``off`` never uses the kern
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from kernels._checks import FLOAT_DTYPES, check_tensor
 from kernels._triton import check_launchable, tl, triton
+from kernels.timing import best_seconds
 
 GEMV_ENV = "PDSERVE_TRITON_GEMV"
 GEMV_MODES = ("auto", "on", "off")
@@ -239,12 +239,7 @@ def _seconds(calls: Callable[[], object], device: torch.device, replays: int = 5
     a CPU (the interpreter, for the tests) one eager run's."""
     calls()  # compiles; cuBLAS picks its kernel
     if device.type != "cuda":
-        best = float("inf")
-        for _ in range(replays):
-            started = time.perf_counter()
-            calls()
-            best = min(best, time.perf_counter() - started)
-        return best
+        return best_seconds(calls, replays)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
