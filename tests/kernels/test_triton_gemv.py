@@ -169,7 +169,12 @@ def test_the_engine_times_each_decode_matmul_and_survives_a_failure(monkeypatch)
     model = LlamaForCausalLM(CONFIG, random_weights(CONFIG, seed=5), get_ops("triton"), DEVICE)
     lines = choose_decode_matmuls(model, rows=(1,))  # one row count: the interpreter is slow
     assert [line.split(" rows")[0] for line in lines] == ["qkv", "o", "gate_up", "down", "lm_head"]
-    assert all(" rows 1: " in line and "unfused" in line for line in lines)
+    names = ["unfused"] + [f"{c.block_n}x{c.block_k}/{c.num_warps}" for c in gemv.CANDIDATES[1]]
+    assert all(" rows 1: " in line and all(f"{name} " in line for name in names) for line in lines)
+    # what each line says was picked is what its weights now take
+    picked = {line.split(" rows")[0]: line.split(": ")[1].split(" ")[0] for line in lines}
+    down = model.layers[1].down_weight.config(gemv.SILU_MUL, 1)
+    assert picked["down"] == ("unfused" if down is None else f"{down.block_n}x{down.block_k}")
 
     def fails(*args, **kwargs):
         raise RuntimeError("no kernel for you")
