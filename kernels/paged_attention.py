@@ -252,6 +252,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+SPLIT_MIN_CONTEXT = 2048  # a block table of fewer token slots never splits the keys
+
+
 def _auto_num_splits(device: torch.device, num_programs: int, max_context: int,
                      max_seqlen_q: int) -> int:
     """Split the keys only when few programs would leave SMs idle over a long context.
@@ -259,11 +262,18 @@ def _auto_num_splits(device: torch.device, num_programs: int, max_context: int,
     max_context is the block table's capacity (a host-side upper bound: reading seq_lens would
     cost a device sync); splits past a sequence's real length exit at once."""
     sms = _num_sms(device)
-    if device.type != "cuda" or max_seqlen_q > 16 or num_programs >= sms or max_context < 2048:
+    if (device.type != "cuda" or max_seqlen_q > 16 or num_programs >= sms
+            or max_context < SPLIT_MIN_CONTEXT):
         return 1
     wanted = triton.cdiv(2 * sms, num_programs)
     most = min(16, triton.next_power_of_2(wanted), max_context // 512)
     return 1 << (most.bit_length() - 1)  # a power of two: the variants warm_up compiles
+
+
+def decode_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+    """The key splits a decode step (one query per sequence) of ``num_seqs`` sequences over a
+    block table of ``max_context`` token slots launches with (``_launch``'s choice)."""
+    return _auto_num_splits(device, num_seqs * num_kv_heads, max_context, 1)
 
 
 def _block_m(max_seqlen_q: int, g_pad: int, device: torch.device) -> int:

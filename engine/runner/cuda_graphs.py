@@ -7,7 +7,9 @@ nothing is allocated and no launch grid changes between replays: Triton bakes th
 is launched with into the captured launch, and every grid of the forward is a function of the
 bucket (tokens = sequences = bucket, max_seqlen_q = 1, a block table as wide as the longest
 context). Rows ``n..bucket-1`` are padding: slot -1 (``store_kv`` writes nothing for it), context
-length 1, token 0; their logits are never sampled.
+length 1, token 0; their logits are never sampled. Where the attention would split a small
+batch's keys over the full block-table width, a bucket has a second graph over a narrower table,
+replayed when every context fits it (``DecodeGraphs``).
 
 Index regions of the buffers for a step of 3 sequences in the bucket of 4::
 
@@ -37,6 +39,7 @@ from engine.mathutils import cdiv
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.runner.inputs import ScheduledSeq
 from engine.sampling.sampler import greedy_tokens
+from kernels.paged_attention import SPLIT_MIN_CONTEXT, decode_num_splits
 
 
 class StepLogits(NamedTuple):
@@ -106,11 +109,12 @@ class DecodeBuffers:
         self._slot_mapping[0][start:stop] = -1
         self._seq_lens[0][start:stop] = 1
 
-    def write(self, seqs: Sequence[ScheduledSeq], bucket: int, input_ids: torch.Tensor | None = None) -> None:
+    def write(self, seqs: Sequence[ScheduledSeq], bucket: int, input_ids: torch.Tensor | None = None) -> int:
         """Stage one decode token per sequence and pad up to ``bucket`` rows; ValueError if a
         block table is too short or the step does not fit the buffers. ``input_ids`` (on the
-        device) replace the first sequences' tokens."""
+        device) replace the first sequences' tokens. Returns the most blocks a sequence reads."""
         n, bs = len(seqs), self.block_size
+        most = 1
         if not n <= bucket <= self.max_seqs:
             raise ValueError(f"{n} sequences in a bucket of {bucket}: at most {self.max_seqs}")
         if self._staged is not None:
@@ -127,6 +131,7 @@ class DecodeBuffers:
             slot_mapping[i] = s.block_ids[pos // bs] * bs + pos % bs
             seq_lens[i] = pos + 1
             self._np_tables[i, :needed] = s.block_ids[:needed]
+            most = max(most, needed)
         self._pad(n, bucket)
         for host, dev in (*self._pairs, self._block_tables):
             dev[:bucket].copy_(host[:bucket], non_blocking=True)
@@ -134,11 +139,14 @@ class DecodeBuffers:
             self._staged.record()
         if input_ids is not None:
             self._input_ids[1][:len(input_ids)].copy_(input_ids)
+        return most
 
-    def inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, attention metadata): views of the first ``bucket`` rows."""
+    def inputs(self, bucket: int, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          AttentionMetadata]:
+        """(input_ids, positions, attention metadata): views of the first ``bucket`` rows, the
+        block tables' first ``num_blocks`` columns (None: all)."""
         attn = AttentionMetadata(slot_mapping=self._slot_mapping[1][:bucket],
-                                 block_tables=self._block_tables[1][:bucket],
+                                 block_tables=self._block_tables[1][:bucket, :num_blocks],
                                  seq_lens=self._seq_lens[1][:bucket],
                                  cu_seqlens_q=self.cu_seqlens_q[:bucket + 1], max_seqlen_q=1)
         return self._input_ids[1][:bucket], self._positions[1][:bucket], attn
@@ -177,17 +185,38 @@ class CudaGraphCapture:
 
 
 class DecodeGraphs:
-    """One replayable decode step per bucket over ``model`` and ``kv_cache``."""
+    """One replayable decode step per bucket over ``model`` and ``kv_cache``, and a second one
+    for short contexts where the first splits the keys.
+
+    A graph's attention grid is fixed at capture, from the block table's width: over the full
+    width (``max_model_len``), a small batch splits each sequence's keys across programs and
+    merges the splits in a second kernel (``kernels.paged_attention``), which pays over a long
+    context. A step whose sequences all fit ``short_blocks`` blocks (fewer token slots than
+    ``paged_attention.SPLIT_MIN_CONTEXT``, the eager forward's own line) replays the bucket's
+    short graph instead, captured over that many columns: unsplit, one launch fewer per layer.
+    ``short_graphs``: None captures them where the full graph splits (on CUDA), True everywhere
+    (the tests, with a small ``short_blocks``), False nowhere."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_num_seqs: int,
-                 max_model_len: int, block_size: int, capture: GraphCapture) -> None:
+                 max_model_len: int, block_size: int, capture: GraphCapture,
+                 short_graphs: bool | None = None, short_blocks: int | None = None) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(max_num_seqs, cdiv(max_model_len, block_size), block_size,
                                      kv_cache.device)
+        if short_blocks is None:
+            short_blocks = (SPLIT_MIN_CONTEXT - 1) // block_size
+        self.short_blocks = min(self.buffers.max_blocks, short_blocks)
+        self._short_graphs = short_graphs
         self._capture = capture
         self._replays: dict[int, Replay] = {}
+        self._short: dict[int, Replay] = {}  # bucket -> its step over short_blocks columns
         self.capture_seconds = 0.0
+
+    @property
+    def short_sizes(self) -> tuple[int, ...]:
+        """The buckets with a short-context graph."""
+        return tuple(sorted(self._short))
 
     def capture_all(self) -> float:
         """Capture every bucket, largest first (the pool then serves the smaller ones from the
@@ -195,11 +224,21 @@ class DecodeGraphs:
         started = time.perf_counter()
         for bucket in reversed(self.sizes):
             self._replays[bucket] = self._capture.capture(self._step(bucket))
+            if self._wants_short(bucket):
+                self._short[bucket] = self._capture.capture(self._step(bucket, self.short_blocks))
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
 
-    def _step(self, bucket: int) -> Replay:
-        input_ids, positions, attn = self.buffers.inputs(bucket)
+    def _wants_short(self, bucket: int) -> bool:
+        if self.short_blocks >= self.buffers.max_blocks or self._short_graphs is False:
+            return False
+        if self._short_graphs:
+            return True
+        width = self.buffers.max_blocks * self.buffers.block_size
+        return decode_num_splits(self.kv_cache.device, bucket, self.model.config.num_kv_heads, width) > 1
+
+    def _step(self, bucket: int, num_blocks: int | None = None) -> Replay:
+        input_ids, positions, attn = self.buffers.inputs(bucket, num_blocks)
 
         def step() -> StepLogits:
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
@@ -216,8 +255,9 @@ class DecodeGraphs:
         ``input_ids``: the step's tokens already on the device (``DecodeBuffers.write``)."""
         bucket = bucket_for(len(seqs), self.sizes)
         assert bucket is not None, "run() needs can_run(seqs)"
-        self.buffers.write(seqs, bucket, input_ids)
-        logits, greedy = self._replays[bucket]()
+        most_blocks = self.buffers.write(seqs, bucket, input_ids)
+        short = self._short.get(bucket) if most_blocks <= self.short_blocks else None
+        logits, greedy = (short or self._replays[bucket])()
         assert greedy is not None
         return StepLogits(logits[:len(seqs)], greedy[:len(seqs)])
 

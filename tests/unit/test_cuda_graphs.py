@@ -156,6 +156,46 @@ def test_input_ids_on_the_device_replace_the_staged_tokens(model, device):
     torch.testing.assert_close(kv_cache, expected_cache, rtol=1e-4, atol=1e-4)
 
 
+def test_a_step_of_short_contexts_replays_the_narrow_graph(model, device):
+    # short graphs over 2-block tables (on a GPU: where the full width would split the keys):
+    # a step whose contexts all fit 2 blocks replays its bucket's narrow graph, one that does
+    # not the full one, both as the eager forward computes them
+    kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=24), device)
+    prompts, tables = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]], [[3, 7], [0], [11, 2, 9]]
+    _prefill(model, kv_cache, prompts, tables)
+    graphs = DecodeGraphs(model, kv_cache, max_num_seqs=4, max_model_len=CONFIG.max_model_len,
+                          block_size=BLOCK_SIZE, capture=_capture(device), short_graphs=True, short_blocks=2)
+    replayed = []
+    build = graphs._step
+
+    def tagged(bucket, num_blocks=None):  # which step each replay runs (only seen without graphs)
+        step = build(bucket, num_blocks)
+        return lambda: (replayed.append((bucket, num_blocks)), step())[1]
+
+    graphs._step = tagged
+    graphs.capture_all()
+    assert graphs.short_sizes == (1, 2, 4) and graphs.short_blocks == 2
+    expected_cache = kv_cache.clone()
+    steps = [[ScheduledSeq([21], 5, tables[0]), ScheduledSeq([22], 2, tables[1] + [5])],  # 2 blocks at most
+             [ScheduledSeq([23], 9, tables[2])],  # 3 blocks: the full width
+             [ScheduledSeq([24], 6, tables[0])]]
+    for seqs in steps:
+        replayed.clear()
+        actual, greedy = graphs.run(seqs)
+        expected = _eager_decode(model, expected_cache, seqs)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        assert greedy is not None and greedy.tolist() == expected.argmax(-1).tolist()
+        torch.testing.assert_close(kv_cache, expected_cache, rtol=1e-4, atol=1e-4)
+        if device == "cpu":
+            most = max(s.start_pos // BLOCK_SIZE + 1 for s in seqs)
+            assert replayed == [(bucket_for(len(seqs), graphs.sizes), 2 if most <= 2 else None)]
+    plain = DecodeGraphs(model, kv_cache, max_num_seqs=2, max_model_len=CONFIG.max_model_len,
+                         block_size=BLOCK_SIZE, capture=_capture(device), short_blocks=2)
+    plain.capture_all()
+    # without splits to save (a CPU; on a GPU this 64-token context), no narrow graphs
+    assert plain.short_sizes == ()
+
+
 def test_what_the_graphs_do_not_take(model, device):
     kv_cache = allocate_kv_cache(CONFIG, CacheConfig(block_size=BLOCK_SIZE, num_blocks=24), device)
     graphs = DecodeGraphs(model, kv_cache, max_num_seqs=2, max_model_len=CONFIG.max_model_len,
@@ -183,3 +223,29 @@ def test_warm_up_launches_every_attention_variant_without_writing_the_cache(mode
     before = kv_cache.clone()
     assert warm_up(model, kv_cache, max_num_batched_tokens=100) >= 0
     assert torch.equal(kv_cache, before)
+
+
+def test_narrow_graphs_go_where_the_full_width_splits_the_keys(monkeypatch):
+    # the choice, without a GPU: the attention's own split decision (kernels.paged_attention)
+    # on an H100's 132 SMs, for a 4096-token table of 16-token blocks
+    from engine.runner import cuda_graphs
+    from kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    calls = []
+
+    def splits(device, num_seqs, num_kv_heads, max_context):
+        calls.append((num_seqs, num_kv_heads, max_context))
+        return paged_attention._auto_num_splits(torch.device("cuda"), num_seqs * num_kv_heads, max_context, 1)
+
+    monkeypatch.setattr(cuda_graphs, "decode_num_splits", splits)
+    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_layers=1, num_heads=9, num_kv_heads=3, head_dim=8, max_model_len=4096)
+    model = LlamaForCausalLM(config, random_weights(config), get_ops("torch"), "cpu")
+    kv_cache = allocate_kv_cache(config, CacheConfig(block_size=16, num_blocks=4), "cpu")
+    graphs = DecodeGraphs(model, kv_cache, max_num_seqs=64, max_model_len=4096, block_size=16,
+                          capture=EagerCapture())
+    graphs.capture_all()
+    # 3 KV heads: a batch of fewer than 44 leaves SMs idle and splits; 127 blocks stay unsplit
+    assert graphs.short_sizes == (1, 2, 4, 8, 16, 24, 32, 40) and graphs.short_blocks == 127
+    assert (1, 3, 4096) in calls
