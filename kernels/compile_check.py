@@ -1,4 +1,5 @@
-"""Compile every Triton kernel for a CUDA target without a GPU (``python -m kernels.compile_check``).
+"""Compile every Triton kernel for a CUDA target without a GPU (``python -m kernels.compile_check``),
+and print the registers and spill bytes ptxas gives each.
 
 The interpreter (TRITON_INTERPRET=1) runs kernels as numpy and accepts code the real compiler
 rejects (loop-carried type changes, bad constexpr use), so the CPU test suite runs this too:
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,21 +24,46 @@ if TYPE_CHECKING:
 TARGET_ARCH = 90  # H100 / H200
 
 
-def _compile(kernel: JITFunction, pointer_types: dict[str, str], constexprs: dict[str, object]) -> None:
+def _compile(kernel: JITFunction, pointer_types: dict[str, str], constexprs: dict[str, object]) -> str:
+    """Lower ``kernel`` to a cubin for sm_90 as a launch would specialize it (pointers and
+    strides 16-aligned, as the engine's tensors are: that decides vector loads); returns its
+    registers and spills as ptxas reports them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {}
-    for name in inspect.signature(kernel.fn).parameters:
+    aligned = {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, pointer_types["default"])
+            aligned[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in ("eps", "scale_log2") else "i32"
-    triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-                   target=GPUTarget("cuda", TARGET_ARCH, 32))
+            if name.startswith("stride"):
+                aligned[(index,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned),
+                              target=GPUTarget("cuda", TARGET_ARCH, 32))
+    return _resources(compiled.asm["ptx"])
+
+
+def _resources(ptx: str) -> str:
+    """``N registers, M spill bytes`` from ``ptxas -v`` (the one the triton wheel ships)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        # Triton's own flags (--regAllocOptLevel=2: its workaround for a ptxas 13 bug)
+        done = subprocess.run([get_ptxas(TARGET_ARCH).path, "-v", "--regAllocOptLevel=2",
+                               f"--gpu-name=sm_{TARGET_ARCH}a", str(source), "-o", str(Path(tmp) / "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    registers = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", done.stderr)
+    return (f"{registers.group(1) if registers else '?'} registers, "
+            f"{spills.group(1) if spills else '?'} spill bytes")
 
 
 def main() -> int:
@@ -125,8 +155,8 @@ def main() -> int:
                          dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == gemv.RMS_NORM, BLOCK_M=rows,
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k)))
     for name, kernel, pointers, constexprs in jobs:
-        _compile(kernel, pointers, constexprs)
-        print(f"ok  {name} (sm_{TARGET_ARCH})", flush=True)
+        resources = _compile(kernel, pointers, constexprs)
+        print(f"ok  {name} (sm_{TARGET_ARCH}): {resources}", flush=True)
     return 0
 
 
