@@ -74,6 +74,7 @@ def main() -> int:
         activation,
         block_copy,
         gemv,
+        greedy,
         paged_attention,
         quant_triton,
         rms_norm,
@@ -154,6 +155,9 @@ def main() -> int:
             jobs.append((f"GEMV {label}, {rows} row(s), {dtype}", gemv._gemv_kernel, {"default": f"*{dtype}"},
                          dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == gemv.RMS_NORM, BLOCK_M=rows,
                               BLOCK_N=config.block_n, BLOCK_K=config.block_k)))
+    for dtype in ("fp32", "bf16"):
+        jobs.append((f"greedy tokens, {dtype} logits", greedy._greedy_kernel,
+                     {"out_ptr": "*i64", "default": f"*{dtype}"}, dict(BLOCK=greedy.BLOCK)))
     for name, kernel, pointers, constexprs in jobs:
         resources = _compile(kernel, pointers, constexprs)
         print(f"ok  {name} (sm_{TARGET_ARCH}): {resources}", flush=True)

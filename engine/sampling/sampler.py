@@ -92,7 +92,12 @@ def tokens_or_none(greedy: torch.Tensor) -> list[int] | None:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B] int64 on the logits' device: each row's argmax, -1 where the row has no
-    finite maximum (a decode graph computes it inside the replay)."""
+    finite maximum (a decode graph computes it inside the replay). On CUDA one Triton launch
+    (``kernels.greedy``), elsewhere torch's three."""
+    if logits.is_cuda and logits.stride(-1) == 1:
+        from kernels.greedy import greedy_rows
+
+        return greedy_rows(logits)
     values, indices = logits.max(dim=-1)
     return torch.where(torch.isfinite(values), indices, -1)
 

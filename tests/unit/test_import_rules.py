@@ -141,7 +141,7 @@ KNOWN_PRIVATE_USES = {
     *(("kernels/compile_check.py", f".{name}") for name in (
         "_paged_attention_kernel", "_reduce_splits_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
         "_rotary_kernel", "_rotary_store_kv_kernel", "_store_kv_kernel", "_store_kv_quant_kernel",
-        "_copy_blocks_kernel", "_quant_gemv_kernel", "_gemv_kernel")),
+        "_copy_blocks_kernel", "_quant_gemv_kernel", "_gemv_kernel", "_greedy_kernel")),
 }
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
