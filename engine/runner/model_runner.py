@@ -85,7 +85,9 @@ class ModelRunner:
             ops = kv_quant_ops(ops, self.backend)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, ops, self.device, dtype,
                                       quant_plan=plan)
-        if self.backend == "triton" and self.device.type == "cuda" and gemv_mode() == "auto":
+        # a prefill worker's steps are prompts: more rows than the fused GEMV takes
+        if (self.backend == "triton" and self.device.type == "cuda" and gemv_mode() == "auto"
+                and config.scheduler.role != Role.PREFILL):
             started = time.perf_counter()
             self.gemv_choices = choose_decode_matmuls(self.model)
             if self.gemv_choices:
