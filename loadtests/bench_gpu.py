@@ -340,39 +340,42 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
 
 
 def stage_profile(args: argparse.Namespace, log: Log) -> None:
-    """torch profiler over decode of the 1.7B shape at batch 1 and 64: GPU busy share and the top ops."""
+    """torch profiler over decode of both shapes at batch 1 and 64: GPU busy share, kernels
+    per token and the top ops (``profile.txt``: the 1.7B shape's, then the 135M shape's)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
     from engine.models.loader import load_tokenizer
 
-    directory = make_model(args.models_dir, args.tokenizer_dir, "smol1b7", torch.bfloat16, log)
-    tokenizer = load_tokenizer(str(directory))
-    llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
-    new_tokens = 33
     report = []
-    for batch_size in (1, 64):
-        batch = distinct_prompts(tokenizer, 128, batch_size, salt=7)
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        llm.generate(batch, params)
-        sync()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-        with profile(activities=activities) as prof:
-            started = time.perf_counter()
+    for name in ("smol1b7", "smol135m"):
+        directory = make_model(args.models_dir, args.tokenizer_dir, name, torch.bfloat16, log)
+        tokenizer = load_tokenizer(str(directory))
+        llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
+        new_tokens = 33
+        for batch_size in (1, 64):
+            batch = distinct_prompts(tokenizer, 128, batch_size, salt=7)
+            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
             llm.generate(batch, params)
             sync()
-            wall = time.perf_counter() - started
-        events = prof.key_averages()
-        busy_us = sum(e.self_device_time_total for e in events)
-        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
-        log(stage="profile", batch=batch_size, wall_ms=round(wall * 1e3, 1), gpu_busy_ms=round(busy_us / 1e3, 1),
-            busy_share=round(busy_us / 1e6 / wall, 3), kernels_per_token=round(kernels / new_tokens, 1))
-        report.append(f"## batch {batch_size}: wall {wall * 1e3:.1f} ms for {new_tokens} tokens\n")
-        report.append(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
-        report.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+            with profile(activities=activities) as prof:
+                started = time.perf_counter()
+                llm.generate(batch, params)
+                sync()
+                wall = time.perf_counter() - started
+            events = prof.key_averages()
+            busy_us = sum(e.self_device_time_total for e in events)
+            kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+            log(stage="profile", model=name, batch=batch_size, wall_ms=round(wall * 1e3, 1),
+                gpu_busy_ms=round(busy_us / 1e3, 1), busy_share=round(busy_us / 1e6 / wall, 3),
+                kernels_per_token=round(kernels / new_tokens, 1))
+            report.append(f"## {name}, batch {batch_size}: wall {wall * 1e3:.1f} ms for {new_tokens} tokens\n")
+            report.append(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+            report.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+        del llm
+        _free()
     (args.out / "profile.txt").write_text("\n".join(report))
-    del llm
-    _free()
     if DEVICE == "cuda":  # what fusing rotary + KV store into decode attention gives, same run
         from kernels.bench import decode_fusion
 
