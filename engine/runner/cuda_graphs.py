@@ -189,13 +189,15 @@ class DecodeGraphs:
     for short contexts where the first splits the keys.
 
     A graph's attention grid is fixed at capture, from the block table's width: over the full
-    width (``max_model_len``), a small batch splits each sequence's keys across programs and
-    merges the splits in a second kernel (``kernels.paged_attention``), which pays over a long
-    context. A step whose sequences all fit ``short_blocks`` blocks (fewer token slots than
-    ``paged_attention.SPLIT_MIN_CONTEXT``, the eager forward's own line) replays the bucket's
-    short graph instead, captured over that many columns: unsplit, one launch fewer per layer.
-    ``short_graphs``: None captures them where the full graph splits (on CUDA), True everywhere
-    (the tests, with a small ``short_blocks``), False nowhere."""
+    width (``max_model_len``), a small batch splits each sequence's keys into equal spans of
+    that width, one program each, and merges them in a second kernel
+    (``kernels.paged_attention``), which pays over a long context. A context within the first
+    span is read by one program either way, the others exit at once: a step whose sequences all
+    fit one span (at most ``short_blocks``, and fewer token slots than
+    ``paged_attention.SPLIT_MIN_CONTEXT``, where the attention never splits) replays the
+    bucket's short graph instead, captured over that many columns: unsplit, the same reads, one
+    launch fewer per layer. ``short_graphs``: None captures them where the full graph splits
+    (on CUDA), True everywhere (the tests, with a small ``short_blocks``), False nowhere."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_num_seqs: int,
                  max_model_len: int, block_size: int, capture: GraphCapture,
@@ -210,13 +212,13 @@ class DecodeGraphs:
         self._short_graphs = short_graphs
         self._capture = capture
         self._replays: dict[int, Replay] = {}
-        self._short: dict[int, Replay] = {}  # bucket -> its step over short_blocks columns
+        self._short: dict[int, tuple[int, Replay]] = {}  # bucket -> (its width in blocks, its step)
         self.capture_seconds = 0.0
 
     @property
-    def short_sizes(self) -> tuple[int, ...]:
-        """The buckets with a short-context graph."""
-        return tuple(sorted(self._short))
+    def short_sizes(self) -> dict[int, int]:
+        """Each bucket with a short-context graph: how many blocks its contexts may span."""
+        return {bucket: blocks for bucket, (blocks, _) in sorted(self._short.items())}
 
     def capture_all(self) -> float:
         """Capture every bucket, largest first (the pool then serves the smaller ones from the
@@ -224,18 +226,23 @@ class DecodeGraphs:
         started = time.perf_counter()
         for bucket in reversed(self.sizes):
             self._replays[bucket] = self._capture.capture(self._step(bucket))
-            if self._wants_short(bucket):
-                self._short[bucket] = self._capture.capture(self._step(bucket, self.short_blocks))
+            blocks = self._short_width(bucket)
+            if blocks:
+                self._short[bucket] = (blocks, self._capture.capture(self._step(bucket, blocks)))
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
 
-    def _wants_short(self, bucket: int) -> bool:
-        if self.short_blocks >= self.buffers.max_blocks or self._short_graphs is False:
-            return False
+    def _short_width(self, bucket: int) -> int:
+        """The blocks of ``bucket``'s short graph: its full graph's span per key split (at most
+        ``short_blocks``); 0: none (the full graph does not split)."""
+        full = self.buffers.max_blocks
+        if self.short_blocks >= full or self._short_graphs is False:
+            return 0
         if self._short_graphs:
-            return True
-        width = self.buffers.max_blocks * self.buffers.block_size
-        return decode_num_splits(self.kv_cache.device, bucket, self.model.config.num_kv_heads, width) > 1
+            return self.short_blocks
+        splits = decode_num_splits(self.kv_cache.device, bucket, self.model.config.num_kv_heads,
+                                   full * self.buffers.block_size)
+        return min(self.short_blocks, full // splits) if splits > 1 else 0
 
     def _step(self, bucket: int, num_blocks: int | None = None) -> Replay:
         input_ids, positions, attn = self.buffers.inputs(bucket, num_blocks)
@@ -256,8 +263,8 @@ class DecodeGraphs:
         bucket = bucket_for(len(seqs), self.sizes)
         assert bucket is not None, "run() needs can_run(seqs)"
         most_blocks = self.buffers.write(seqs, bucket, input_ids)
-        short = self._short.get(bucket) if most_blocks <= self.short_blocks else None
-        logits, greedy = (short or self._replays[bucket])()
+        blocks, short = self._short.get(bucket, (0, None))
+        logits, greedy = (short if short is not None and most_blocks <= blocks else self._replays[bucket])()
         assert greedy is not None
         return StepLogits(logits[:len(seqs)], greedy[:len(seqs)])
 

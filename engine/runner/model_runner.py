@@ -119,9 +119,9 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs,
                               config.model.max_model_len, self.block_size, CudaGraphCapture())
         seconds = graphs.capture_all()
-        log.info("captured %d decode CUDA graphs (batch sizes 1..%d; %d more for contexts of at "
-                 "most %d blocks: %s) in %.1f s", len(graphs.sizes), graphs.sizes[-1],
-                 len(graphs.short_sizes), graphs.short_blocks, list(graphs.short_sizes), seconds)
+        log.info("captured %d decode CUDA graphs (batch sizes 1..%d; %d more for short contexts, "
+                 "batch size: blocks %s) in %.1f s", len(graphs.sizes), graphs.sizes[-1],
+                 len(graphs.short_sizes), graphs.short_sizes, seconds)
         return graphs
 
     @property

@@ -174,7 +174,7 @@ def test_a_step_of_short_contexts_replays_the_narrow_graph(model, device):
 
     graphs._step = tagged
     graphs.capture_all()
-    assert graphs.short_sizes == (1, 2, 4) and graphs.short_blocks == 2
+    assert graphs.short_sizes == {1: 2, 2: 2, 4: 2}
     expected_cache = kv_cache.clone()
     steps = [[ScheduledSeq([21], 5, tables[0]), ScheduledSeq([22], 2, tables[1] + [5])],  # 2 blocks at most
              [ScheduledSeq([23], 9, tables[2])],  # 3 blocks: the full width
@@ -193,7 +193,7 @@ def test_a_step_of_short_contexts_replays_the_narrow_graph(model, device):
                          block_size=BLOCK_SIZE, capture=_capture(device), short_blocks=2)
     plain.capture_all()
     # without splits to save (a CPU; on a GPU this 64-token context), no narrow graphs
-    assert plain.short_sizes == ()
+    assert plain.short_sizes == {}
 
 
 def test_what_the_graphs_do_not_take(model, device):
@@ -246,6 +246,7 @@ def test_narrow_graphs_go_where_the_full_width_splits_the_keys(monkeypatch):
     graphs = DecodeGraphs(model, kv_cache, max_num_seqs=64, max_model_len=4096, block_size=16,
                           capture=EagerCapture())
     graphs.capture_all()
-    # 3 KV heads: a batch of fewer than 44 leaves SMs idle and splits; 127 blocks stay unsplit
-    assert graphs.short_sizes == (1, 2, 4, 8, 16, 24, 32, 40) and graphs.short_blocks == 127
+    # 3 KV heads: a batch of fewer than 44 leaves SMs idle and splits the 4096 slots, into 8
+    # spans of 32 blocks up to a batch of 16 (at most 4096 // 512 splits), then 4 of 64 blocks
+    assert graphs.short_sizes == {1: 32, 2: 32, 4: 32, 8: 32, 16: 32, 24: 64, 32: 64, 40: 64}
     assert (1, 3, 4096) in calls
