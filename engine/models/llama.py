@@ -84,7 +84,7 @@ def _rotary_then_store(ops: Ops) -> Any:
 
 def _step_weight_bytes(weights: Mapping[str, torch.Tensor]) -> int:
     """Bytes of weights one forward step reads: all but the embedding (one row per token),
-    plus the LM head once (the tied embedding's transposed copy when there is no lm_head)."""
+    plus the LM head once (the tied embedding, read again as the head, when there is no lm_head)."""
     total = sum(t.numel() * t.element_size() for name, t in weights.items()
                 if name != "model.embed_tokens.weight")
     if "lm_head.weight" not in weights:
