@@ -44,26 +44,37 @@ def _compile(kernel: JITFunction, pointer_types: dict[str, str], constexprs: dic
             signature[name] = "fp32" if name in ("eps", "scale_log2") else "i32"
             if name.startswith("stride"):
                 aligned[(index,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned),
-                              target=GPUTarget("cuda", TARGET_ARCH, 32))
-    return _resources(compiled.asm["ptx"])
+    target = GPUTarget("cuda", TARGET_ARCH, 32)
+    try:
+        source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+    except (TypeError, AttributeError):  # a triton whose ASTSource takes attrs another way
+        source, aligned = ASTSource(kernel, signature, constexprs=constexprs), {}
+    compiled = triton.compile(source, target=target)
+    return _resources(compiled.asm["ptx"]) + ("" if aligned else " (unaligned)")
 
 
 def _resources(ptx: str) -> str:
-    """``N registers, M spill bytes`` from ``ptxas -v`` (the one the triton wheel ships)."""
-    from triton.backends.nvidia.compiler import get_ptxas
+    """``N registers, M spill bytes`` from ``ptxas -v`` (the one the triton wheel ships), or
+    ``resources unknown: <why>`` where this triton's ptxas cannot be found or run that way."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
 
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "kernel.ptx"
-        source.write_text(ptx)
-        # Triton's own flags (--regAllocOptLevel=2: its workaround for a ptxas 13 bug)
-        done = subprocess.run([get_ptxas(TARGET_ARCH).path, "-v", "--regAllocOptLevel=2",
-                               f"--gpu-name=sm_{TARGET_ARCH}a", str(source), "-o", str(Path(tmp) / "kernel.cubin")],
-                              capture_output=True, text=True, check=True)
+        tool = get_ptxas(TARGET_ARCH)
+        ptxas = tool[0] if isinstance(tool, tuple) else getattr(tool, "path", tool)
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "kernel.ptx"
+            source.write_text(ptx)
+            # Triton's own flags (--regAllocOptLevel=2: its workaround for a ptxas 13 bug)
+            done = subprocess.run([str(ptxas), "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{TARGET_ARCH}a",
+                                   str(source), "-o", str(Path(tmp) / "kernel.cubin")],
+                                  capture_output=True, text=True, check=True)
+    except (ImportError, TypeError, OSError, subprocess.CalledProcessError) as exc:
+        return f"resources unknown: {type(exc).__name__}: {str(exc)[:120]}"
     registers = re.search(r"Used (\d+) registers", done.stderr)
     spills = re.search(r"(\d+) bytes spill stores", done.stderr)
-    return (f"{registers.group(1) if registers else '?'} registers, "
-            f"{spills.group(1) if spills else '?'} spill bytes")
+    if registers is None or spills is None:
+        return "resources unknown: ptxas -v printed no register count"
+    return f"{registers.group(1)} registers, {spills.group(1)} spill bytes"
 
 
 def main() -> int:
