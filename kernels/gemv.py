@@ -55,6 +55,9 @@ class GemvConfig:
 
 DEFAULT_CONFIG = GemvConfig(16, 128)
 ROUNDS = 2  # ``choose`` times every candidate this many times, in turn, and keeps each one's best
+# At most this many weights per timed graph (a 135M-shape o matmul needs ~300 copies to fill 4x
+# an H100's L2; a test's tiny weights would need tens of thousands)
+MAX_STREAMED = 512
 # The tile shapes ``choose`` times, by the row bucket: fewer rows, longer tiles per load.
 # Each is a compile (~0.3 s) at the first start on a machine (Triton caches it on disk after).
 CANDIDATES: dict[int, tuple[GemvConfig, ...]] = {
@@ -261,12 +264,12 @@ def _seconds(calls: Callable[[], object], device: torch.device, replays: int = 5
 
 def _streamed(weights: Sequence[DenseWeight], min_bytes: int) -> list[DenseWeight]:
     """New handles of ``weights``' tensors, then of copies of them, until they hold
-    ``min_bytes``: calls over them stream each weight from HBM, as a decode step does, not
-    from L2."""
+    ``min_bytes`` (or ``MAX_STREAMED`` of them): calls over them stream each weight from HBM, as
+    a decode step does, not from L2."""
     out = [DenseWeight(w.w) for w in weights]
     total = sum(w.w.numel() * w.w.element_size() for w in out)
     i = 0
-    while total < min_bytes:
+    while total < min_bytes and len(out) < MAX_STREAMED:
         copy = DenseWeight(weights[i % len(weights)].w.clone())
         out.append(copy)
         total += copy.w.numel() * copy.w.element_size()

@@ -187,3 +187,10 @@ def test_the_engine_times_each_decode_matmul_and_survives_a_failure(monkeypatch)
                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight))
     torch_model = LlamaForCausalLM(CONFIG, random_weights(CONFIG), get_ops("torch"), DEVICE)
     assert choose_decode_matmuls(torch_model) == []  # plain tensors: nothing to choose
+
+
+def test_the_timed_weights_fill_the_bytes_asked_up_to_a_count():
+    w = gemv.DenseWeight(torch.zeros(4, 8, device=DEVICE))  # 128 bytes
+    streamed = gemv._streamed([w], 1000)
+    assert len(streamed) == 8 and streamed[0].w is w.w and streamed[1].w is not w.w
+    assert len(gemv._streamed([w], 1 << 30)) == gemv.MAX_STREAMED  # not 8 million graph launches
