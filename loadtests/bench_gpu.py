@@ -307,13 +307,17 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         del llm
         _free()
         # and without the fused decode GEMV (kernels.gemv): what it gives at batch 1, same run
+        previous = os.environ.get(GEMV_ENV)
         os.environ[GEMV_ENV] = "off"
         try:
             llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
             generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
             b1_plain = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
         finally:
-            os.environ.pop(GEMV_ENV)
+            if previous is None:
+                os.environ.pop(GEMV_ENV)
+            else:
+                os.environ[GEMV_ENV] = previous
         row.update(no_gemv_decode_b1_tok_s=round(b1_plain, 1), gemv_vs_none_b1=round(b1 / b1_plain, 3))
         del llm
     except Exception:  # noqa: BLE001

@@ -94,12 +94,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B] int64 on the logits' device: each row's argmax, -1 where the row has no
     finite maximum (a decode graph computes it inside the replay). On CUDA one Triton launch
     (``kernels.greedy``), elsewhere torch's three."""
-    if logits.is_cuda and logits.stride(-1) == 1:
-        from kernels.greedy import greedy_rows
+    from kernels.greedy import greedy_rows, greedy_rows_ref
 
+    if logits.is_cuda and logits.stride(-1) == 1:
         return greedy_rows(logits)
-    values, indices = logits.max(dim=-1)
-    return torch.where(torch.isfinite(values), indices, -1)
+    return greedy_rows_ref(logits)
 
 
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
