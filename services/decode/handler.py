@@ -18,7 +18,8 @@ Who frees a reservation's blocks: the engine, once the Decode call handed the re
 (a client cancel aborts it); before that ReleaseBlocks, the lease, or — for a Decode call that
 ended while KV was still arriving — the end of the writes (see reservations.py). A
 ReserveBlocks call whose caller gives up while the engine reserves still gets its blocks
-freed: the reservation is undone once the engine made it.
+freed: the reservation is undone once the engine made it; and one whose caller's ReleaseBlocks
+(naming its attempt_id) was served first is refused (reservations.EarlyReleases).
 Decode writes with ``context.write`` from a coroutine (not an async generator), so a cancel
 runs its ``finally`` at once rather than when the generator is garbage collected.
 Landing is detected here, on the event loop, by draining every receiver's notifications
@@ -63,7 +64,7 @@ from services.decode.kv_grpc_receiver import GrpcKVReceiver
 from services.decode.kv_guard import GuardedKVTransferServicer
 from services.decode.output_stream import OutputStream, Writer
 from services.decode.receivers import make_receivers
-from services.decode.reservations import LeaseState, Reservation, ReservationTable
+from services.decode.reservations import EarlyReleases, LeaseState, Reservation, ReservationTable
 from services.worker.admission import QueueLimit
 from services.worker.request_params import invalid_argument
 from services.worker.server import RoleHandler, WorkerRuntime
@@ -101,6 +102,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         self._background: set[asyncio.Task[None]] = set()
         # ReserveBlocks calls in the engine now -> whether a ReleaseBlocks came for them meanwhile
         self._reserving: dict[str, bool] = {}
+        self._early_releases = EarlyReleases()  # ReleaseBlocks that came before their ReserveBlocks
 
     async def start(self) -> list[AddServicer]:
         self.receivers = make_receivers(self.runtime.args.transfer, self.runtime.model_name,
@@ -126,23 +128,33 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         prompt = list(request.prompt_token_ids)
         if not reservation_id:
             raise InvalidArgument("ReserveBlocks: request_id is empty")
+        if request.attempt_id and self._early_releases.take(request.attempt_id):
+            log.info("reservation %s: released before its ReserveBlocks call was served; refused",
+                     reservation_id)
+            await context.abort(grpc.StatusCode.CANCELLED, f"ReserveBlocks: {reservation_id!r} "
+                                f"(attempt {request.attempt_id!r}) was released before it was served")
         if reservation_id in self.reservations:
             raise AlreadyExists(f"ReserveBlocks: {reservation_id!r} is already reserved")
         pending = self.queue_limit.admit("ReserveBlocks")
+        # From here until the engine answered, a ReleaseBlocks for it is recorded here (with no
+        # await before this line, EarlyReleases covers the time before).
+        self._reserving[reservation_id] = False
+        reserving: asyncio.Future[RemoteReservation | None] | None = None
         try:
-            params = params_from_proto(request.sampling_params)  # bad words come tokenized
-            await self.engine.compile_constraint(params)  # off the engine loop, before reserving
-            reserving = asyncio.ensure_future(
-                self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
-            self._reserving[reservation_id] = False
             try:
+                params = params_from_proto(request.sampling_params)  # bad words come tokenized
+                await self.engine.compile_constraint(params)  # off the engine loop, before reserving
+                reserving = asyncio.ensure_future(
+                    self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))
                 reserved = await asyncio.shield(reserving)
             except asyncio.CancelledError:  # the caller gave up (deadline, cancel): undo
-                self._spawn(self._undo_reserve(reserving, reservation_id))
+                if reserving is not None:
+                    self._spawn(self._undo_reserve(reserving, reservation_id))
                 raise
             finally:
                 released_meanwhile = self._reserving.pop(reservation_id, False)
             if released_meanwhile:  # the caller gave up and said so before its cancel got here
+                assert reserving is not None  # it answered: reserved is set
                 self._spawn(self._undo_reserve(reserving, reservation_id))
                 await context.abort(grpc.StatusCode.CANCELLED,
                                     f"ReserveBlocks: {reservation_id!r} was released while reserving")
@@ -176,6 +188,8 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         reservation = self.reservations.get(request.reservation_id)
         if request.reservation_id in self._reserving:  # undone when the engine has reserved
             self._reserving[request.reservation_id] = True
+        elif reservation is None and request.attempt_id:  # its ReserveBlocks may not have started
+            self._early_releases.note(request.attempt_id)
         if reservation is None or reservation.state is LeaseState.RELEASED:
             return worker_pb2.ReleaseBlocksResponse(num_blocks_freed=0)
         was_claimed = reservation.state is LeaseState.CLAIMED

@@ -186,3 +186,46 @@ class ReservationTable:
 
     def pop(self, reservation_id: str) -> Reservation | None:
         return self._reservations.pop(reservation_id, None)
+
+
+class EarlyReleases:
+    """ReleaseBlocks calls that overtook the ReserveBlocks call they undo.
+
+    A prefill worker whose ReserveBlocks call was cancelled or timed out unanswered releases
+    by request id and ``attempt_id`` (unique per call). gRPC does not order two calls: that
+    ReleaseBlocks can be served here before the ReserveBlocks handler starts (and finds
+    nothing), while the ReserveBlocks call's own cancellation is delivered too late to stop it.
+    So the release is remembered by attempt, and ReserveBlocks ``take``\\ s it at its start:
+    found, the call is refused and reserves nothing. Keyed by attempt, not request id, so a
+    retry of the request on this worker is not refused. Entries live ``ttl_s`` (longer than
+    any ReserveBlocks deadline), at most ``max_entries`` of them (the oldest go first)."""
+
+    def __init__(self, ttl_s: float = 120.0, max_entries: int = 4096) -> None:
+        if ttl_s <= 0 or max_entries <= 0:
+            raise ValueError(f"EarlyReleases: ttl_s and max_entries must be positive, got "
+                             f"{ttl_s} and {max_entries}")
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._expires: dict[str, float] = {}  # attempt id -> when it is forgotten (in order)
+
+    def note(self, attempt_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._prune(now)
+        self._expires.pop(attempt_id, None)  # re-inserted last: the order stays by expiry
+        self._expires[attempt_id] = now + self.ttl_s
+        while len(self._expires) > self.max_entries:
+            del self._expires[next(iter(self._expires))]
+
+    def take(self, attempt_id: str, now: float | None = None) -> bool:
+        """Was ``attempt_id`` released before this moment (and not forgotten)? Forgets it."""
+        self._prune(time.monotonic() if now is None else now)
+        return self._expires.pop(attempt_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._expires)
+
+    def _prune(self, now: float) -> None:
+        while self._expires:
+            attempt_id, expires_at = next(iter(self._expires.items()))
+            if expires_at > now:
+                break
+            del self._expires[attempt_id]

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import NoReturn
 
@@ -153,6 +154,7 @@ class _PrefillJob:
         self.peer: DecodePeer | None = None
         self.reservation: worker_pb2.BlockReservation | None = None
         self.reserve_unanswered = False  # ReserveBlocks cancelled or timed out: it may have reserved
+        self.attempt_id = uuid.uuid4().hex  # names this call's ReserveBlocks in its ReleaseBlocks
         self.lease: LeaseKeeper | None = None
         self.transfer: RequestTransfer | None = None
         # add_request as queued on the engine thread: it is applied even if this call is
@@ -283,7 +285,8 @@ class _PrefillJob:
             self.reserve_unanswered = True
             reply: worker_pb2.ReserveBlocksResponse = await self.peer.decode.ReserveBlocks(
                 worker_pb2.ReserveBlocksRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                                sampling_params=self.proto_params), timeout=RESERVE_TIMEOUT_S + (
+                                                sampling_params=self.proto_params,
+                                                attempt_id=self.attempt_id), timeout=RESERVE_TIMEOUT_S + (
                     COMPILE_TIMEOUT_S if self.params.structured_outputs is not None else 0.0))
             self.reserve_unanswered = False
         except KVTransferError as exc:
@@ -378,7 +381,9 @@ class _PrefillJob:
             assert self.peer is not None  # set before ReserveBlocks was sent
             try:
                 await self.peer.decode.ReleaseBlocks(worker_pb2.ReleaseBlocksRequest(
-                    reservation_id=reservation_id), timeout=RELEASE_TIMEOUT_S)
+                    reservation_id=reservation_id,
+                    attempt_id=self.attempt_id if self.reserve_unanswered else ""),
+                    timeout=RELEASE_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:  # its lease frees them if it is alive
                 log.warning("request %s: ReleaseBlocks on %s failed: %s", self.request_id,
                             self.target.address, exc.details())

@@ -377,6 +377,36 @@ def test_unclaimed_or_abandoned_reservations_are_released_after_their_lease(clus
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
 
 
+def test_a_release_that_overtakes_its_reserve_call_refuses_that_call_only(cluster, prompt_ids):
+    """A prefill worker's ReserveBlocks call was cancelled unanswered and its ReleaseBlocks
+    (naming that call's attempt) is served first, as gRPC may order them: the late
+    ReserveBlocks reserves nothing; a retry of the same request (another attempt) reserves."""
+    decode, prompt = decodes(cluster)[0], prompt_ids[2]
+
+    def reserve(attempt_id):
+        return worker_pb2.ReserveBlocksRequest(request_id="overtaken", prompt_token_ids=prompt,
+                                               sampling_params=params_to_proto(GREEDY),
+                                               attempt_id=attempt_id)
+
+    def release(attempt_id):
+        return worker_pb2.ReleaseBlocksRequest(reservation_id="overtaken", attempt_id=attempt_id)
+
+    with grpc.insecure_channel(decode.address) as channel:
+        stub = worker_pb2_grpc.DecodeServiceStub(channel)
+        assert stub.ReleaseBlocks(release("attempt-1"), timeout=5).num_blocks_freed == 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReserveBlocks(reserve("attempt-1"), timeout=5)
+        assert err.value.code() is grpc.StatusCode.CANCELLED
+        assert "'overtaken' (attempt 'attempt-1') was released before it was served" in err.value.details()
+        assert_no_leaks(cluster)
+        reply = stub.ReserveBlocks(reserve("attempt-2"), timeout=5)
+        stats = decode.stats()
+        assert stats.num_free_blocks < stats.num_total_blocks
+        freed = stub.ReleaseBlocks(release("attempt-2"), timeout=5).num_blocks_freed
+        assert freed == len(reply.reservation.block_ids) > 0
+    assert_no_leaks(cluster)
+
+
 def _fill_decode_workers(cluster) -> list[tuple[object, str]]:
     """Reserve all but 6 KV blocks of every decode worker; (worker, reservation id) each."""
     fillers = []

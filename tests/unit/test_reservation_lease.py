@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine.kv_transfer.base import KVNotification
 from engine.sampling_params import SamplingParams
-from services.decode.reservations import LeaseState, ReservationTable
+from services.decode.reservations import EarlyReleases, LeaseState, ReservationTable
 
 
 def _run(scenario):
@@ -88,3 +90,32 @@ def test_housekeeping_sleeps_at_rest_polls_while_kv_is_expected_and_wakes_for_ex
         cached = table.add("cached", [1], SamplingParams(), [])
         assert table.poll_delay(0.002, 1.0, now=cached.expires_at - 0.5) == 0.5
     _run(scenario)
+
+
+def test_an_early_release_refuses_only_its_own_attempt_once_and_is_forgotten_in_time():
+    early = EarlyReleases(ttl_s=10.0, max_entries=3)
+    early.note("a", now=100.0)
+    assert not early.take("b", now=101.0)  # a retry of the same request: another attempt
+    assert early.take("a", now=101.0)
+    assert not early.take("a", now=101.5)  # taken once
+    early.note("c", now=102.0)
+    assert early.take("c", now=111.9)
+    early.note("d", now=102.0)
+    assert not early.take("d", now=112.0)  # its time ran out
+    assert len(early) == 0
+
+
+def test_early_releases_stay_bounded_the_oldest_going_first():
+    early = EarlyReleases(ttl_s=10.0, max_entries=3)
+    for i, attempt in enumerate("abcd"):
+        early.note(attempt, now=100.0 + i)
+    assert len(early) == 3
+    assert not early.take("a", now=104.0)
+    early.note("b", now=105.0)  # noted again: now the newest
+    early.note("e", now=105.0)
+    assert [early.take(x, now=105.0) for x in "bcde"] == [True, False, True, True]
+    early.note("f", now=106.0)
+    early.note("g", now=117.0)  # f's time ran out on the way
+    assert len(early) == 1
+    with pytest.raises(ValueError, match="must be positive"):
+        EarlyReleases(ttl_s=0.0)
