@@ -10,6 +10,7 @@ from typing import Any, cast
 from engine.args import EngineArgs
 from engine.config import Role
 from engine.core import EngineCore
+from engine.heap import frozen_during
 from engine.models.loader import LoadedModel, load_model
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.logprobs import PositionLogprobs
@@ -84,14 +85,15 @@ class LLM:
         prompt_ids, params_list = self._normalise(prompts, params)
         results = [GenerationOutput(str(i), ids, [CompletionOutput(j) for j in range(p.n)])
                    for i, (ids, p) in enumerate(zip(prompt_ids, params_list))]
-        for delta in self._run(prompt_ids, params_list, results):
-            completion = results[delta.prompt_index].outputs[delta.sample_index]
-            completion.token_ids += delta.token_ids
-            completion.text += delta.text
-            if delta.logprobs:
-                completion.logprobs = (completion.logprobs or []) + delta.logprobs
-            if delta.finish_reason is not None:
-                completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+        with frozen_during():  # the collector walks only what this call makes (engine/heap.py)
+            for delta in self._run(prompt_ids, params_list, results):
+                completion = results[delta.prompt_index].outputs[delta.sample_index]
+                completion.token_ids += delta.token_ids
+                completion.text += delta.text
+                if delta.logprobs:
+                    completion.logprobs = (completion.logprobs or []) + delta.logprobs
+                if delta.finish_reason is not None:
+                    completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
         return results
 
     def stream(self, prompts: Prompts, params: Params = None,

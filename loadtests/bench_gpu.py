@@ -23,7 +23,8 @@ against HF on the same weights.
   batch 1 and the largest concurrency again with ``async_scheduling='off'`` (``sync_*``,
   ``async_vs_sync_*``: what scheduling one decode step ahead gives, same run), and batch 1 with
   ``PDSERVE_TRITON_GEMV=off`` (``no_gemv_*``, ``gemv_vs_none_b1``: what the fused decode GEMV
-  gives; ``gemv`` lists what the engine's timing chose per matmul and row count).
+  gives; ``gemv`` lists what the engine's timing chose per matmul and row count);
+  ``gc_ms_c<N>``: the garbage collector's pauses during that run, [total, longest] ms.
 One JSON line per measurement on stdout and in ``<out>/results.jsonl``.
 """
 
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from kernels.gemv import GEMV_ENV
+from loadtests.bench_gc import CollectorPauses
 from loadtests.prompts import distinct_prompts
 
 DRY = os.environ.get("DRY") == "1"
@@ -291,7 +293,10 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         row["prefill_tok_s"] = round(sum(map(len, long)) / generate_seconds(llm, long, 1), 1)
         for c in concurrency:
             batch = distinct_prompts(tokenizer, 128, c, salt=17 + c)
-            row[f"out_tok_s_c{c}"] = round(c * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
+            with CollectorPauses().recording() as pauses:
+                row[f"out_tok_s_c{c}"] = round(c * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
+            gc_summary = pauses.summary()  # the collector's pauses in that run (engine/heap.py)
+            row[f"gc_ms_c{c}"] = [gc_summary["total_ms"], max(gc_summary[f"gen{g}_max_ms"] for g in (0, 1, 2))]
         del llm
         _free()
         # the same engine scheduling synchronously: what async scheduling gives, same run

@@ -17,6 +17,7 @@ import signal
 from dataclasses import dataclass, field, replace
 
 from engine.args import EngineArgs
+from engine.heap import freeze_long_lived, thaw
 from services.common.auth import KeySet
 from services.common.grpc_server import AddServicer, GrpcServer, start_grpc_server
 from services.common.pb import worker_pb2_grpc
@@ -86,6 +87,8 @@ class Router:
                         "it can use it (set PDSERVE_API_KEY or --api-key-file)", config.host)
         await backend.start()
         frontend = await asyncio.to_thread(self._build_frontend)
+        # before the frontend serves: its engine's heap too, when colocated (engine/heap.py)
+        freeze_long_lived("router")
         self.state.metrics.set_model(frontend.model.name)
         self.state.frontend = frontend
         await self.grpc.health.set_serving(await self.state.is_healthy())
@@ -127,6 +130,7 @@ class Router:
             stops.append(self.http.stop())
         await asyncio.gather(*stops, return_exceptions=True)
         await self.state.backend.close()
+        thaw()
 
     async def serve_until_signal(self) -> None:
         loop = asyncio.get_running_loop()

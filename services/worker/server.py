@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from engine.args import EngineArgs
 from engine.config import ConfigError, Role
 from engine.core import EngineCore
+from engine.heap import freeze_long_lived, thaw
 from engine.kv_transfer.base import KVCompat, KVTransferError
 from engine.stats import EngineStats
 from services.common.async_engine import AsyncEngine
@@ -148,6 +149,8 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
                                     KVCompat.from_kv_cache(runtime.model_name, engine.kv_cache),
                                     handler.prefix_counters,
                                     runtime.kvstore.counters if runtime.kvstore is not None else None)
+        # before any request can come: the one full collection takes ~0.1-0.3 s (engine/heap.py)
+        freeze_long_lived(f"{runtime.role.value} worker {runtime.worker_id}")
         server = await start_grpc_server(
             [*servicers, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats)],
             port=args.port, host=args.host,
@@ -163,6 +166,7 @@ async def serve(runtime: WorkerRuntime, handler: RoleHandler) -> None:
         print(f"listening {runtime.role.value} {runtime.worker_id} {server.address}", flush=True)
         await server.serve_until_signal(grace_s=args.drain_grace_s)
     finally:
+        thaw()
         if metrics_server is not None:
             metrics_server.close()
         if index is not None:

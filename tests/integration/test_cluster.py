@@ -407,6 +407,16 @@ def test_a_release_that_overtakes_its_reserve_call_refuses_that_call_only(cluste
     assert_no_leaks(cluster)
 
 
+def test_every_process_froze_its_start_heap_out_of_garbage_collection(cluster):
+    """engine/heap.py: a full collection would walk the model, tokenizer and modules of each
+    worker and router (~100 ms on 2 vCPUs) in the middle of serving."""
+    for process in cluster:
+        lines = [line for line in process.log_path.read_text(errors="replace").splitlines()
+                 if "objects frozen out of garbage collection" in line]
+        assert len(lines) == 1, f"{process.log_path.name}: {lines}"
+        assert int(lines[0].split(": ")[-1].split()[0]) > 10_000, lines[0]
+
+
 def _fill_decode_workers(cluster) -> list[tuple[object, str]]:
     """Reserve all but 6 KV blocks of every decode worker; (worker, reservation id) each."""
     fillers = []
