@@ -66,6 +66,8 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # a chained step launched and not booked
         self.num_chained_steps = 0
         self.num_chained_admissions = 0  # queued requests that joined a chained step
+        self.num_steps = 0  # forwards launched (chained ones included)
+        self.num_step_rows = 0  # requests in them, summed
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:
@@ -192,6 +194,8 @@ class EngineCore:
         draft_probs = self.spec.fill(sched, block_ids)
         started = time.perf_counter()
         result = self.runner.launch(sched, block_ids, draft_probs, defer, chain)
+        self.num_steps += 1
+        self.num_step_rows += len(sched.scheduled)
         if isinstance(result, RunnerOutput):
             self._observe_prefill(sched, started)
         return _Launched(sched, result, started)

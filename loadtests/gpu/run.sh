@@ -38,4 +38,9 @@ if [ "${SERVE:-1}" = 1 ] && [ "$serve_s" -ge 90 ]; then
   timeout "$serve_s" python3 -m loadtests.bench_serve --model "$model" --device cuda --modes "${SERVE_MODES:-colocated,grpc}" \
     --load-concurrency 1,64 --load-requests 128 --load-prompt-len 128 --load-max-tokens 128 \
     --up-args "--kvstore-gib 0 --cpu-offload-gb 0" 2>&1 | tee "$OUT/bench_serve.txt"; elapsed
+  # each service's log (the engines' "engine: N steps ..." lines: steps/s and rows per step)
+  for dir in /tmp/pdserve-up-*; do
+    [ -d "$dir" ] && mkdir -p "$OUT/serve_logs/${dir##*/}" \
+      && find "$dir" -maxdepth 1 -name '*.log' -size -2M -exec cp {} "$OUT/serve_logs/${dir##*/}/" \;
+  done
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from engine.models.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import RequestOutput
 from engine.stats import EngineStats, Sendable
+from services.common.engine_log import StepLog
 from services.common.native_thread_name import set_native_thread_name
 
 log = logging.getLogger(__name__)
@@ -239,6 +241,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         set_native_thread_name(ENGINE_THREAD_NAME)
+        step_log = StepLog(time.monotonic())
         try:
             while not self._stopping:
                 while self._commands:
@@ -248,7 +251,11 @@ class AsyncEngine:
                     self._drain_kv_events(self._kv_event_sink)
                 if outputs:
                     self._event_loop.call_soon_threadsafe(self._dispatch, outputs)
-                elif not self._commands:
+                    step_log.num_tokens_out += sum(len(o.new_token_ids) for o in outputs)
+                line = step_log.observe(time.monotonic(), self.core)
+                if line is not None:
+                    log.info("%s", line)
+                if not outputs and not self._commands:
                     self._wake.wait(IDLE_WAIT_S if self.core.has_unfinished_requests() else 0.5)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every waiter
