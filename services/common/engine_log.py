@@ -59,8 +59,9 @@ class Counted(Protocol):
 
 class StepLog:
     """``describe`` fed from the engine thread: ``num_tokens_out`` grows with each dispatch;
-    ``observe`` after each loop iteration returns the line once an interval has passed (None
-    otherwise, or when no step ran in it: the engine's stats are only read then)."""
+    ``observe`` after each loop iteration returns the line once an interval has passed since
+    the last line, or since the engine last stood still (so an interval does not average in
+    the rest before a load); None otherwise. The engine's stats are only read for a line."""
 
     def __init__(self, now: float, interval_s: float = LOG_INTERVAL_S) -> None:
         if interval_s <= 0:
@@ -70,11 +71,13 @@ class StepLog:
         self._last = Tally(now, 0, 0, 0, 0)
 
     def observe(self, now: float, core: Counted) -> str | None:
+        if core.num_steps == self._last.num_steps:  # at rest: the next interval starts with a step
+            self._last = Tally(now, self._last.num_steps, self._last.num_step_rows,
+                               self._last.num_chained_steps, self.num_tokens_out)
+            return None
         if now - self._last.at < self.interval_s:
             return None
         tally = Tally(now, core.num_steps, core.num_step_rows, core.num_chained_steps,
                       self.num_tokens_out)
         before, self._last = self._last, tally
-        if tally.num_steps == before.num_steps:
-            return None
         return describe(before, tally, core.stats())

@@ -34,20 +34,22 @@ def test_describe_names_the_rate_the_rows_the_tokens_and_the_load():
     assert describe(Tally(100.0, 10, 100, 5, 50), Tally(110.0, 10, 100, 5, 50), STATS) is None
 
 
-def test_a_line_once_per_interval_and_none_at_rest():
+def test_a_line_per_interval_of_work_and_none_at_rest():
     counts = _Counts()
     step_log = StepLog(now=0.0, interval_s=10.0)
-    counts.num_steps, counts.num_step_rows = 100, 800
+    assert step_log.observe(50.0, counts) is None  # at rest: silent, and the interval waits
+    counts.num_steps, counts.num_step_rows = 100, 800  # the load starts after 50 s of rest
     step_log.num_tokens_out = 800
-    assert step_log.observe(9.9, counts) is None  # not yet due
-    line = step_log.observe(10.0, counts)
+    assert step_log.observe(59.9, counts) is None  # not yet due
+    line = step_log.observe(60.0, counts)
     assert line is not None and line.startswith("engine: 100 steps in 10.0 s (10.0/s, 100.00 ms apart), "
                                                  "8.0 rows per step, 800 tokens out (80/s), 0% of steps")
-    assert step_log.observe(19.0, counts) is None
-    assert step_log.observe(20.0, counts) is None  # due, but nothing stepped: at rest, silent
     assert counts.stats_reads == [100]  # read only for the line
+    assert step_log.observe(75.0, counts) is None  # at rest again
     counts.num_steps += 1
-    assert step_log.observe(25.0, counts) is None
-    assert "1 steps in 10.0 s" in (step_log.observe(30.0, counts) or "")
+    counts.num_chained_steps += 1
+    assert step_log.observe(84.9, counts) is None
+    line = step_log.observe(85.0, counts)
+    assert line is not None and "1 steps in 10.0 s" in line and "100% of steps chained" in line
     with pytest.raises(ValueError, match="interval_s must be positive"):
         StepLog(now=0.0, interval_s=0)
