@@ -1,16 +1,17 @@
 """Keep CPython's cyclic garbage collector off the heap that outlives every request.
 
 A full (generation 2) collection walks every tracked object: after imports, a model, a
-tokenizer and (on CUDA) the graph runner, that is ~230,000 objects and ~100 ms on the 2-vCPU
-EPYC here, taken by whatever thread allocated last: an engine step, or the event loop that
-serves every stream (measured during a c=64 load on ``pdserve up``: one 83 ms pause of the
-router in 6 s; offline, one 96-101 ms pause per 256 x 128-token ``generate``). Those objects
-are never garbage, so the collector need not look at them:
+tokenizer and (on CUDA) the graph runner, that is ~200,000-260,000 objects and ~100 ms on the
+2-vCPU EPYC here, taken by whatever thread allocated last: an engine step, or the event loop that
+serves every stream (measured there: under a c=64 load on ``pdserve up``, one 78-86 ms pause of
+the router per 256 requests; offline, a 92-101 ms pause in every other 256 x 128-token
+``generate`` of a 2-layer model; loadtests/bench_gc.py). Those objects are never garbage, so
+the collector need not look at them:
 
 * ``freeze_long_lived``: a service process, once started (model loaded, kernels compiled,
   graphs captured), collects once and moves everything alive to the permanent generation
   (``gc.freeze``); collections then walk only what was made since. ``thaw`` undoes it when
-  the service stops. vLLM (after its warm-up) and SGLang do the same.
+  the service stops. vLLM does the same after its warm-up; SGLang offers it (``freeze_gc``).
 * ``frozen_during``: a bounded call in a library process (``LLM.generate``) freezes what
   exists when it starts and unfreezes it when it ends, so no object of the caller's is kept
   from the collector after the call: the frozen objects go back to the oldest generation.
