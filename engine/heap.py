@@ -31,18 +31,15 @@ from collections.abc import Iterator
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_process_frozen = False  # freeze_long_lived ran (and no thaw since): frozen_during leaves it
 _depth = 0  # frozen_during calls in progress
-_owned = False  # the outermost frozen_during froze (nobody else had): it unfreezes
+_owned = False  # the outermost frozen_during froze (nothing was frozen before): it unfreezes
 
 
 def freeze_long_lived(context: str) -> int:
     """Collect, then freeze every object alive; returns how many are frozen (and logs it)."""
-    global _process_frozen
     with _lock:
         gc.collect()
         gc.freeze()
-        _process_frozen = True
         frozen = gc.get_freeze_count()
     log.info("%s: %d objects frozen out of garbage collection (the heap made at start)",
              context, frozen)
@@ -51,10 +48,8 @@ def freeze_long_lived(context: str) -> int:
 
 def thaw() -> None:
     """Undo every freeze: the frozen objects go back to the oldest generation."""
-    global _process_frozen
     with _lock:
         gc.unfreeze()
-        _process_frozen = False
 
 
 @contextlib.contextmanager
@@ -66,7 +61,7 @@ def frozen_during() -> Iterator[None]:
     with _lock:
         _depth += 1
         if _depth == 1:
-            _owned = not _process_frozen and gc.get_freeze_count() == 0
+            _owned = gc.get_freeze_count() == 0
             if _owned:
                 gc.freeze()
     try:

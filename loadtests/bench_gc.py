@@ -53,6 +53,7 @@ class CollectorPauses:
             out[f"gen{generation}_ms"] = round(sum(pauses) * 1000, 2)
             out[f"gen{generation}_max_ms"] = round(max(pauses, default=0.0) * 1000, 2)
         out["total_ms"] = round(sum(sum(p) for p in self.pauses.values()) * 1000, 2)
+        out["longest_ms"] = max(out[f"gen{g}_max_ms"] for g in self.pauses)
         return out
 
 
@@ -96,9 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     rate = {f: sum(r["out_tok_s"] for r in rs) / len(rs) for f, rs in rows.items()}
     print(json.dumps(dict(summary=True, pause_ms_frozen=round(pause[True], 1),
                           pause_ms_unfrozen=round(pause[False], 1),
-                          longest_ms_frozen=max(max(r[f"gen{g}_max_ms"] for g in (0, 1, 2)) for r in rows[True]),
-                          longest_ms_unfrozen=max(max(r[f"gen{g}_max_ms"] for g in (0, 1, 2))
-                                                  for r in rows[False]),
+                          longest_ms_frozen=max(r["longest_ms"] for r in rows[True]),
+                          longest_ms_unfrozen=max(r["longest_ms"] for r in rows[False]),
                           tok_s_frozen_vs_unfrozen=round(rate[True] / rate[False], 3))), flush=True)
 
 

@@ -118,4 +118,5 @@ def test_collector_pauses_records_each_collection_only_while_recording():
     summary = pauses.summary()
     assert (summary["gen2_n"], summary["gen0_n"]) == (1, 1)
     assert summary["total_ms"] >= summary["gen2_max_ms"] > 0
+    assert summary["longest_ms"] >= summary["gen2_max_ms"]
     assert pauses._callback not in gc.callbacks
