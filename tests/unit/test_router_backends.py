@@ -173,3 +173,22 @@ def test_start_prefill_counts_the_sample_before_either_worker_sees_it():
     started.on_prefill.end()
     started.on_decode.end()
     assert p1.local == d0.local == [0, 0, 0]
+
+
+def test_start_prefill_retries_a_call_a_draining_worker_cancelled_before_it_started():
+    """grpc.aio's server.stop(grace) cancels the calls it has not started ("CANCELLED:
+    CANCELLED"): a rolling restart's prefill worker, met just as it began to drain. Nothing ran
+    for the sample there, so another worker takes it (test_chaos saw it fail the request)."""
+    from services.router.backends.prefill_start import KVFullWait, PrefillSettings, start_prefill
+
+    p0, p1, d0 = Worker("127.0.0.1:1", "prefill"), Worker("127.0.0.1:2", "prefill"), decode_worker()
+    stub = PrefillStub([p0, p1, d0], [rpc_error(grpc.StatusCode.CANCELLED, "CANCELLED"),
+                                      worker_pb2.PrefillResponse(request_id="r")])
+    p0.prefill = p1.prefill = stub  # type: ignore[attr-defined]
+    p0.is_healthy = True
+    started = asyncio.run(start_prefill(sample(), None, FakePlacement([p0, p1], [d0]),  # type: ignore[arg-type]
+                                        PrefillSettings(worker_pb2.KV_TRANSFER_METHOD_GRPC), KVFullWait(0.0)))
+    assert started.prefill is p1 and len(stub.seen) == 2
+    assert p0.is_healthy  # its health watch says when it drains; one cancelled call does not
+    started.on_prefill.end()
+    started.on_decode.end()

@@ -28,8 +28,10 @@ from services.router.routing.worker_pool import Worker
 # (FAILED_PEER_KEY = "prefill"), whatever the code.
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
-# Before the first event: another worker may succeed (full, down, or slow to answer).
-RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# Before the first event: another worker may succeed (full, down, or slow to answer), and a
+# call the server cancelled (CANCELLED: a worker that began to drain cancels every call it had
+# not started yet; the router's own cancels are asyncio.CancelledError, never this).
+RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class WorkerLost(BackendError):
