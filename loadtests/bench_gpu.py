@@ -26,6 +26,11 @@ against HF on the same weights.
   gives; ``gemv`` lists what the engine's timing chose per matmul and row count);
   ``gc_ms_c<N>``: the garbage collector's pauses during that run, [total, longest] ms.
 One JSON line per measurement on stdout and in ``<out>/results.jsonl``.
+
+Failures cost only what failed: each engine of a speed stage has its own ``try`` (its traceback
+under ``error``, ``sync_error`` or ``no_gemv_error``; the others still measure), and after a
+stage that left the device unusable (a sticky fault: every later CUDA call in the process
+raises) the stages left run in a fresh process (``device_fault`` row).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -272,18 +278,27 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
     tokenizer = load_tokenizer(str(directory))
     new_tokens = 16 if DRY else 128
     concurrency = (1, 4) if DRY else (1, 16, 64, 256)
+    big = concurrency[-1]
     # the bound as the issue states it: bf16 weight bytes over the copy bandwidth (bytes read +
     # written), what one decode step that reads every weight once could reach
     bound = copy_bandwidth() / weight_bytes(name)
     row: dict[str, Any] = dict(stage="speed", model=name, weight_gb=round(weight_bytes(name) / 1e9, 3),
                                bound_b1_tok_s=round(bound, 1))
-    try:
-        started = time.perf_counter()
-        llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
-        row["engine_start_s"] = round(time.perf_counter() - started, 1)
+    one = distinct_prompts(tokenizer, 128, 1, salt=7)
+
+    def start(**engine_args: Any) -> Any:
+        llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton", **engine_args)
         generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
-        one = distinct_prompts(tokenizer, 128, 1, salt=7)
-        b1 = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
+        return llm
+
+    def b1_rate(llm: Any) -> float:
+        return decode_rate(lambda n: generate_seconds(llm, one, n), new_tokens, 1)
+
+    def defaults() -> None:
+        started = time.perf_counter()
+        llm = start()
+        row["engine_start_s"] = round(time.perf_counter() - started, 1)
+        b1 = b1_rate(llm)
         row.update(decode_b1_tok_s=round(b1, 1), b1_vs_bound=round(b1 / bound, 3),
                    num_kv_blocks=llm.engine.runner.num_blocks,
                    graphs=len(llm.engine.runner.decode_graphs.sizes),
@@ -297,37 +312,39 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
                 row[f"out_tok_s_c{c}"] = round(c * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
             gc_summary = pauses.summary()  # the collector's pauses in that run (engine/heap.py)
             row[f"gc_ms_c{c}"] = [gc_summary["total_ms"], gc_summary["longest_ms"]]
-        del llm
-        _free()
-        # the same engine scheduling synchronously: what async scheduling gives, same run
-        llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton", async_scheduling="off")
-        generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
-        b1_sync = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
-        big = concurrency[-1]
+
+    def synchronous() -> None:  # scheduling synchronously: what async scheduling gives, same run
+        llm = start(async_scheduling="off")
+        row["sync_decode_b1_tok_s"] = round(b1_rate(llm), 1)
         batch = distinct_prompts(tokenizer, 128, big, salt=17 + big)
-        big_sync = big * new_tokens / generate_seconds(llm, batch, new_tokens)
-        row.update(sync_decode_b1_tok_s=round(b1_sync, 1), sync_out_tok_s_c=round(big_sync, 1),
-                   async_vs_sync_b1=round(b1 / b1_sync, 3),
-                   async_vs_sync_c=round(row[f"out_tok_s_c{big}"] / big_sync, 3))
-        del llm
-        _free()
-        # and without the fused decode GEMV (kernels.gemv): what it gives at batch 1, same run
+        row["sync_out_tok_s_c"] = round(big * new_tokens / generate_seconds(llm, batch, new_tokens), 1)
+
+    def without_gemv() -> None:  # without the fused decode GEMV (kernels.gemv), batch 1, same run
         previous = os.environ.get(GEMV_ENV)
         os.environ[GEMV_ENV] = "off"
         try:
-            llm = pdserve(directory, "bfloat16", "torch" if DRY else "triton")
-            generate_seconds(llm, distinct_prompts(tokenizer, 128, 4, salt=999), 8)
-            b1_plain = decode_rate(lambda n, llm=llm: generate_seconds(llm, one, n), new_tokens, 1)
+            row["no_gemv_decode_b1_tok_s"] = round(b1_rate(start()), 1)
         finally:
             if previous is None:
                 os.environ.pop(GEMV_ENV)
             else:
                 os.environ[GEMV_ENV] = previous
-        row.update(no_gemv_decode_b1_tok_s=round(b1_plain, 1), gemv_vs_none_b1=round(b1 / b1_plain, 3))
-        del llm
-    except Exception:  # noqa: BLE001
-        row["error"] = traceback.format_exc()[-3000:]
-    _free()
+
+    # each engine in its own try: one that fails (a feature never run on this device) leaves
+    # the others' numbers, and its traceback under its own key
+    for label, measure in (("error", defaults), ("sync_error", synchronous), ("no_gemv_error", without_gemv)):
+        try:
+            measure()
+        except Exception:  # noqa: BLE001
+            row[label] = traceback.format_exc()[-3000:]
+        _free()
+    if "decode_b1_tok_s" in row:
+        for key, versus in (("async_vs_sync_b1", "sync_decode_b1_tok_s"),
+                            ("gemv_vs_none_b1", "no_gemv_decode_b1_tok_s")):
+            if versus in row:
+                row[key] = round(row["decode_b1_tok_s"] / row[versus], 3)
+    if f"out_tok_s_c{big}" in row and "sync_out_tok_s_c" in row:
+        row["async_vs_sync_c"] = round(row[f"out_tok_s_c{big}"] / row["sync_out_tok_s_c"], 3)
     try:
         model = hf(directory, torch.bfloat16)
         for b in (1, 4) if DRY else (1, 64):
@@ -340,7 +357,6 @@ def stage_speed(name: str, args: argparse.Namespace, log: Log) -> None:
         row["hf_error"] = traceback.format_exc()[-3000:]
     if "decode_b1_tok_s" in row and "hf_decode_b1_tok_s" in row:
         row["b1_vs_hf"] = round(row["decode_b1_tok_s"] / row["hf_decode_b1_tok_s"], 2)
-    big = max(concurrency[1:] or concurrency)
     hf_big = "hf_decode_b4_tok_s" if DRY else "hf_decode_b64_tok_s"
     if f"out_tok_s_c{big}" in row and hf_big in row:
         row[f"c{big}_vs_hf_{hf_big.split('_')[2]}"] = round(row[f"out_tok_s_c{big}"] / row[hf_big], 2)
@@ -424,13 +440,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results/gpu")))
     args = parser.parse_args(argv)
     log = Log(args.out)
-    for stage in args.stages:
+    for i, stage in enumerate(args.stages):
         started = time.perf_counter()
         try:
             STAGES[stage](args, log)
         except Exception:  # noqa: BLE001
             log(stage=stage, error=traceback.format_exc()[-3000:])
         log(stage=stage, done=True, seconds=round(time.perf_counter() - started, 1))
+        rest = args.stages[i + 1:]
+        if rest and not device_usable():
+            # a device fault (an illegal address, say) is sticky: every later CUDA call in this
+            # process raises it. The stages left run in a fresh process, with a fresh context.
+            log(stage=stage, device_fault=True, rerun_in_new_process=rest)
+            sys.stdout.flush()
+            os.execv(sys.executable, [sys.executable, "-m", "loadtests.bench_gpu", *rest,
+                                      "--models-dir", str(args.models_dir), "--tokenizer-dir",
+                                      str(args.tokenizer_dir), "--out", str(args.out)])
+
+
+def device_usable() -> bool:
+    """Whether this process can still run work on the device (False after a sticky fault)."""
+    if DEVICE != "cuda":
+        return True
+    try:
+        return bool(torch.ones(1, device=DEVICE).add_(1).item() == 2)
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return False
 
 
 if __name__ == "__main__":
