@@ -1,4 +1,4 @@
-"""Router side of the prefix index: one ``match`` round trip per request, never a wait.
+"""Router side of the prefix index: one ``match`` round trip per request, or per batch of them; never a wait.
 
 ``IndexClient.match(block_hashes)`` returns, per live worker, its cached prefix of the request
 split by tier plus its load (``scripts.WorkerMatch``), or None for "unknown": the caller then
@@ -69,28 +69,36 @@ class IndexClient:
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, WorkerMatch] | None:
         """Per live worker, its cached prefix of ``block_hashes`` (a chain from the root) and its
         load; None when the index cannot answer within the budget (route by load only)."""
+        return self.match_many([block_hashes])[0]
+
+    def match_many(self, chains: Sequence[Sequence[BlockHash]]) -> list[dict[str, WorkerMatch] | None]:
+        """``match`` of several requests in one round trip (a router's lookups that queued while
+        the one before was in flight): one budget and one breaker outcome for them all, and each
+        of them counted in ``fallbacks`` when the index cannot answer."""
+        if not chains:
+            return []
         if not self.breaker.allow():
-            self._count_fallback("breaker_open")
-            return None
+            self._count_fallback("breaker_open", len(chains))
+            return [None] * len(chains)
         start = time.perf_counter()
         try:
             if not self._meta_ok:
                 self._verify_meta()
-            result = self._scripts.match([h.hex() for h in block_hashes])
+            result: list[dict[str, WorkerMatch] | None] = list(
+                self._scripts.match_many([[h.hex() for h in chain] for chain in chains]))
         except IndexMetaMismatch as exc:
             self.breaker.record_success()  # Redis answered; the index is unusable, not down
             if self.meta_error is None:
                 logger.error("prefix index refused: %s", exc)
             self.meta_error = exc
-            self._count_fallback("meta_mismatch")
-            return None
+            self._count_fallback("meta_mismatch", len(chains))
+            return [None] * len(chains)
         except redis.RedisError as exc:
             self.breaker.record_failure()
             with self._lock:
                 self._meta_ok = False
-            reason = "timeout" if isinstance(exc, redis.TimeoutError) else "error"
-            self._count_fallback(reason)
-            return None
+            self._count_fallback("timeout" if isinstance(exc, redis.TimeoutError) else "error", len(chains))
+            return [None] * len(chains)
         self.last_lookup_s = time.perf_counter() - start
         self.breaker.record_success()
         return result
@@ -102,20 +110,27 @@ class IndexClient:
             self.meta_error = None
             self._meta_ok = bool(stored)  # an empty index is checked again once a worker writes
 
-    def _count_fallback(self, reason: str) -> None:
+    def _count_fallback(self, reason: str, count: int = 1) -> None:
         with self._lock:
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + count
         if self.on_fallback is not None:
-            self.on_fallback(reason)
+            for _ in range(count):
+                self.on_fallback(reason)
 
     def reserve(self, worker_id: str, request_id: str) -> int | None:
         """Count ``request_id`` in flight on ``worker_id`` for every router (expires after
         ``reservation_ttl_ms``); the worker's live reservation count, or None if unavailable."""
-        return self._guarded(lambda: self._scripts.reserve(worker_id, request_id,
-                                                           self.config.reservation_ttl_ms))
+        replies = self.reservations([("reserve", worker_id, request_id)])
+        return None if replies is None else replies[0]
 
     def release(self, worker_id: str, request_id: str) -> bool | None:
-        return self._guarded(lambda: self._scripts.release(worker_id, request_id))
+        replies = self.reservations([("release", worker_id, request_id)])
+        return None if replies is None else bool(replies[0])
+
+    def reservations(self, ops: Sequence[tuple[str, str, str]]) -> list[int] | None:
+        """``reserve`` and ``release`` calls, in order, in one round trip: ``ops`` are
+        ("reserve" | "release", worker id, request id); their replies, or None if unavailable."""
+        return self._guarded(lambda: self._scripts.reservations(ops, self.config.reservation_ttl_ms))
 
     def reap_dead_workers(self) -> int | None:
         """Janitor: forget workers whose lease lapsed; how many, or None if unavailable."""

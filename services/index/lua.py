@@ -178,10 +178,12 @@ end
 return reaped
 """
 
-# ARGV: p, hash hexes of the request's blocks in chain order. Returns one row per live worker:
-# {wid, device, host, kvstore, reserved, running, waiting, kv_usage, role, grpc}. device/host/kvstore
-# split the worker's matched prefix (leading blocks it holds on any tier, counted only while its
-# lease holds its entries' epoch) by the fastest tier holding each block.
+# ARGV: p, then one or more requests' chains, each as its length and then its blocks' hash hexes
+# in chain order (a batch of lookups in one call: the workers' rows are read once for all).
+# Returns {rows, runs}: rows, one per live worker, {wid, reserved, running, waiting, kv_usage,
+# role, grpc}; runs, one per chain, flat {wid, device, host, kvstore, ...} for each worker whose
+# matched prefix (leading blocks it holds on any tier, counted only while its lease holds its
+# entries' epoch) is not empty, split by the fastest tier holding each block.
 MATCH = _PRELUDE + r"""
 local lease = {}
 local function live_epoch(wid)
@@ -192,46 +194,64 @@ local function live_epoch(wid)
   end
   return e
 end
-local runs = {}
-local active = nil
-for i = 2, #ARGV do
-  local fields = redis.call('HGETALL', p .. 'b:' .. ARGV[i])
-  local still = {}
-  local any = false
-  for j = 1, #fields, 2 do
-    local wid = fields[j]
-    if active == nil or active[wid] then
-      local e, m = string.match(fields[j + 1], '^(.*):(%d+)$')
-      if e and live_epoch(wid) == e then
-        m = tonumber(m)
-        local r = runs[wid]
-        if r == nil then
-          r = {0, 0, 0}
-          runs[wid] = r
+local function chain_runs(first, last)
+  local runs = {}
+  local order = {}
+  local active = nil
+  for i = first, last do
+    local fields = redis.call('HGETALL', p .. 'b:' .. ARGV[i])
+    local still = {}
+    local any = false
+    for j = 1, #fields, 2 do
+      local wid = fields[j]
+      if active == nil or active[wid] then
+        local e, m = string.match(fields[j + 1], '^(.*):(%d+)$')
+        if e and live_epoch(wid) == e then
+          m = tonumber(m)
+          local r = runs[wid]
+          if r == nil then
+            r = {0, 0, 0}
+            runs[wid] = r
+            order[#order + 1] = wid
+          end
+          if bit.band(m, 1) ~= 0 then r[1] = r[1] + 1
+          elseif bit.band(m, 2) ~= 0 then r[2] = r[2] + 1
+          else r[3] = r[3] + 1 end
+          still[wid] = true
+          any = true
         end
-        if bit.band(m, 1) ~= 0 then r[1] = r[1] + 1
-        elseif bit.band(m, 2) ~= 0 then r[2] = r[2] + 1
-        else r[3] = r[3] + 1 end
-        still[wid] = true
-        any = true
       end
     end
+    if not any then break end
+    active = still
   end
-  if not any then break end
-  active = still
+  local flat = {}
+  for _, wid in ipairs(order) do
+    local r = runs[wid]
+    flat[#flat + 1] = wid
+    flat[#flat + 1] = r[1]
+    flat[#flat + 1] = r[2]
+    flat[#flat + 1] = r[3]
+  end
+  return flat
+end
+local all_runs = {}
+local i = 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  all_runs[#all_runs + 1] = chain_runs(i + 1, i + n)
+  i = i + n + 1
 end
 local now = now_ms()
 local rows = {}
 for _, wid in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
   local w = redis.call('HMGET', p .. 'w:' .. wid, 'epoch', 'running', 'waiting', 'kv_usage', 'role', 'grpc')
   if w[1] and live_epoch(wid) == w[1] then
-    local r = runs[wid] or {0, 0, 0}
     local reserved = redis.call('ZCOUNT', p .. 'load:' .. wid, now, '+inf')
-    rows[#rows + 1] = {wid, r[1], r[2], r[3], reserved, w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '',
-                       w[6] or ''}
+    rows[#rows + 1] = {wid, reserved, w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '', w[6] or ''}
   end
 end
-return rows
+return {rows, all_runs}
 """
 
 # ARGV: p, wid, request id, ttl_ms -> live reservations of that worker after adding this one.

@@ -135,14 +135,38 @@ class IndexScripts:
 
     def match(self, hash_hexes: Sequence[str]) -> dict[str, WorkerMatch]:
         """Per live worker, its cached prefix of the chain ``hash_hexes`` and its load."""
-        rows = self._run("match", *hash_hexes)
-        result: dict[str, WorkerMatch] = {}
-        for row in rows:
-            wid = _text(row[0])
-            result[wid] = WorkerMatch(wid, int(row[1]), int(row[2]), int(row[3]), int(row[4]),
-                                      int(float(_text(row[5]) or 0)), int(float(_text(row[6]) or 0)),
-                                      float(_text(row[7]) or 0), _text(row[8]), _text(row[9]))
+        return self.match_many([hash_hexes])[0]
+
+    def match_many(self, chains: Sequence[Sequence[str]]) -> list[dict[str, WorkerMatch]]:
+        """``match`` of each chain, in one call: one round trip, the workers' load read once."""
+        args: list[str | float] = []
+        for chain in chains:
+            args.append(len(chain))
+            args.extend(chain)
+        rows, runs = self._run("match", *args)
+        loads = [(_text(r[0]), int(r[1]), int(float(_text(r[2]) or 0)), int(float(_text(r[3]) or 0)),
+                  float(_text(r[4]) or 0), _text(r[5]), _text(r[6])) for r in rows]
+        result = []
+        for flat in runs:
+            held = {_text(flat[j]): (int(flat[j + 1]), int(flat[j + 2]), int(flat[j + 3]))
+                    for j in range(0, len(flat), 4)}
+            result.append({wid: WorkerMatch(wid, *held.get(wid, (0, 0, 0)), reserved, running, waiting,
+                                            kv_usage, role, grpc)
+                           for wid, reserved, running, waiting, kv_usage, role, grpc in loads})
         return result
+
+    def reservations(self, ops: Sequence[tuple[str, str, str]], ttl_ms: int) -> list[int]:
+        """Several ``reserve`` / ``release`` calls, in order, in one round trip (a pipeline):
+        ``ops`` are ("reserve" | "release", worker id, request id); each reply as they give it."""
+        pipe = self.client.pipeline(transaction=False)
+        for op, worker_id, request_id in ops:
+            args: list[str | float] = [self.scope, worker_id, request_id]
+            if op == "reserve":
+                args.append(ttl_ms)
+            elif op != "release":
+                raise ValueError(f"reservation op must be reserve or release, got {op!r}")
+            self._scripts[op](keys=[], args=args, client=pipe)
+        return [int(reply) for reply in pipe.execute()]
 
     def reserve(self, worker_id: str, request_id: str, ttl_ms: int) -> int:
         """Count ``request_id`` as in flight on ``worker_id`` for ``ttl_ms``; returns the worker's

@@ -73,6 +73,32 @@ def test_match_walks_the_chain_and_splits_by_fastest_tier(scripts):
     assert scripts.match([H[7]])["p0"].num_matched_blocks == 0  # live workers always listed
 
 
+def test_a_batch_of_lookups_answers_each_chain_as_its_own_lookup(scripts):
+    scripts.register(WorkerInfo("p0", "prefill", grpc="127.0.0.1:7001"), "e1", 5000)
+    scripts.register(WorkerInfo("d0", "decode"), "e2", 5000)
+    scripts.apply("p0", "e1", 1, [("S", H[0], 1), ("S", H[1], 3), ("S", H[2], 2), ("S", H[4], 1)])
+    scripts.apply("d0", "e2", 1, [("S", H[0], 4), ("S", H[2], 1)])
+    scripts.heartbeat("d0", "e2", 5000, {"running": 3, "kv_usage": 0.5})
+    scripts.reserve("d0", "req-1", 60_000)
+    chains = [H[:6], [H[7]], [], H[:1], H[2:4], H[:3], [H[1], H[0]]]
+    batched = scripts.match_many(chains)
+    assert batched == [scripts.match(chain) for chain in chains]
+    assert [b["p0"].num_matched_blocks for b in batched] == [3, 0, 0, 1, 1, 3, 2]
+    assert [b["d0"].num_matched_blocks for b in batched] == [1, 0, 0, 1, 1, 1, 0]
+    assert {(b["d0"].num_reserved, b["d0"].num_running, b["d0"].kv_usage) for b in batched} == {(1, 3, 0.5)}
+    assert scripts.match_many([]) == []
+
+
+def test_reservations_in_one_pipeline_run_in_order(scripts):
+    scripts.register(WorkerInfo("d0", "decode"), "e1", 5000)
+    ops = [("reserve", "d0", "a"), ("reserve", "d0", "b"), ("release", "d0", "a"), ("release", "d0", "a"),
+           ("reserve", "d0", "c")]
+    assert scripts.reservations(ops, 60_000) == [1, 2, 1, 0, 2]
+    assert scripts.match([])["d0"].num_reserved == 2
+    with pytest.raises(ValueError, match="reserve or release"):
+        scripts.reservations([("hold", "d0", "x")], 60_000)
+
+
 def test_new_epoch_hides_and_drops_old_entries(scripts):
     scripts.register(WorkerInfo("p0", "prefill"), "e1", 5000)
     scripts.apply("p0", "e1", 1, [("S", H[0], 1)])

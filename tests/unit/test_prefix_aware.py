@@ -146,7 +146,7 @@ def test_a_release_still_in_flight_is_never_another_routers_request(redis_server
         deadline = time.monotonic() + 2.0
         while policy.index.match([])["p1"].num_reserved != 1 and time.monotonic() < deadline:
             time.sleep(0.01)  # the reservation is written in the background too
-        policy._executor.submit(gate.wait, 5.0)  # the reservation thread busy: the release queues
+        policy._reservations._executor.submit(gate.wait, 5.0)  # the reservation thread busy: the release queues
         policy.finish("r1")
         matches = policy.index.match([])
         assert matches["p1"].num_reserved == 1  # still in Redis ...
@@ -157,6 +157,47 @@ def test_a_release_still_in_flight_is_never_another_routers_request(redis_server
             time.sleep(0.01)
         matches = policy.index.match([])
         assert matches["p1"].num_reserved == 0 and policy._others(matches, "p1") == 0
+    finally:
+        gate.set()
+        policy.close()
+
+
+def test_a_burst_of_plans_shares_its_index_round_trips(redis_server, index):
+    """Lookups that queue behind one in flight go to Redis together (services/index/batches.py):
+    40 plans arriving while the lookup thread is busy take 2 round trips (32 + 8), each answered."""
+    import threading
+
+    from services.router.routing.prefix_aware import INDEX_BATCH
+
+    policy = policy_for(redis_server.url)
+    gate = threading.Event()
+    try:
+        async def burst() -> list:
+            policy._lookups._executor.submit(gate.wait, 5.0)  # a round trip in flight, say
+            plans = [asyncio.ensure_future(policy.plan(f"r{i}", PROMPT, GREEDY, PREFILL, DECODE))
+                     for i in range(40)]
+            await asyncio.sleep(0.05)
+            gate.set()
+            return await asyncio.gather(*plans)
+
+        plans = asyncio.run(burst())
+        assert all(p is not None and p.reason != "index_unavailable" for p in plans)
+        assert plans[0].prefill_address == "127.0.0.1:p1"  # p1 holds the prompt (9 blocks)
+        assert INDEX_BATCH == 32 and (policy._lookups.batches, policy._lookups.items) == (2, 40)
+        for i in range(40):
+            policy.finish(f"r{i}")
+        workers = ("p0", "p1", "d0")
+
+        def reserved() -> dict[str, int]:
+            found = policy.index.match([])
+            return {w: found[w].num_reserved for w in workers}
+
+        deadline = time.monotonic() + 5.0
+        while (any(reserved().values()) or any(policy._own.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reserved() == dict.fromkeys(workers, 0)
+        # 2 reservations per plan and 2 releases: all sent, none still counted as this router's
+        assert policy._reservations.items == 160 and set(policy._own.values()) == {0}
     finally:
         gate.set()
         policy.close()
