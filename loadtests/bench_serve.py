@@ -8,7 +8,11 @@
 1. Offline: the engine's own per-token decode time at batch 1 and 8 (``LLM.generate``, prefill
    excluded), at the thread count the serving decode engine gets (all cores when colocated; one
    core's share when ``pdserve up`` runs 1 prefill + 1 decode worker with ``--pin-cores``).
-2. For each mode, a fresh ``pdserve up``: streaming inter-token latency over HTTP (SSE) at
+2. For each mode, a fresh ``pdserve up``: first the greedy tokens of 4 prompts of 100-1,000
+   tokens, one request at a time, against the offline engine's (equal leading tokens: a KV push
+   that lands wrong shows from the second token on; on a GPU, bf16 and random weights' near-flat
+   logits may flip a late token where two processes picked other kernels); then streaming
+   inter-token latency over HTTP (SSE) at
    concurrency 1 and 8, set against (1) at the same thread count; then the load: 196-token
    prompts, 128 new tokens, streaming, ``--load-requests`` requests at each concurrency
    (fewer at concurrency 1, ``--load-requests-c1``): output tokens/s, TTFT and ITL, and failed
@@ -118,6 +122,43 @@ async def itl(base_url: str, model: str, concurrency: int, tokens: int, tokenize
     return gaps
 
 
+CHECK_PROMPT_LENS = (100, 200, 500, 1000)  # longer than the local path's 64: prefilled remotely
+CHECK_TOKENS = 24
+
+
+def check_prompts(tokenizer) -> list[list[int]]:
+    return [distinct_prompts(tokenizer, n, 1, salt=5000 + n)[0] for n in CHECK_PROMPT_LENS]
+
+
+def offline_tokens(llm, tokenizer) -> list[list[int]]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True)
+    return [list(llm.generate([p], params)[0].token_ids) for p in check_prompts(tokenizer)]
+
+
+async def served_tokens(base_url: str, model: str, tokenizer) -> list[list[int]]:
+    """Greedy token ids of the check prompts through the served path, one request at a time."""
+    import aiohttp
+
+    tokens = []
+    async with aiohttp.ClientSession() as session:
+        for prompt in check_prompts(tokenizer):
+            body = {"model": model, "prompt": prompt, "max_tokens": CHECK_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            async with session.post(f"{base_url}/v1/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=300)) as response:
+                reply = await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"check request failed: {response.status} {str(reply)[:300]}")
+            tokens.append(list(reply["choices"][0]["token_ids"]))
+    return tokens
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 async def load(base_url: str, model: str, concurrency: int, num_requests: int, tokenizer, args) -> dict:
     """``num_requests`` streamed requests, at most ``concurrency`` in flight."""
     import aiohttp
@@ -183,9 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     loaded = load_model(args.model)
     concurrencies = [] if args.skip_load else list(map(int, args.load_concurrency.split(",")))
-    offline, offline_load = {}, {}
+    offline, offline_load, reference = {}, {}, {}
     for threads in sorted({decode_threads(m) for m in modes}):
         llm = offline_llm(loaded, threads, args.device, args.weight_format)
+        reference[threads] = offline_tokens(llm, loaded.tokenizer)
         offline[threads] = offline_ms_per_token(llm, loaded, (1, 8), args.itl_tokens)
         offline_load[threads] = {
             c: offline_rate(llm, loaded, c, args.load_requests_c1 if c == 1 else args.load_requests, args)
@@ -197,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     served: dict[str, dict] = {}
     for mode in modes:
         with running_cluster([*MODES[mode], *up_args]) as cluster:
-            row = {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer))
-                   for c in (1, 8)}
+            row: dict = {"tokens": asyncio.run(served_tokens(cluster.http_url, cluster.model, loaded.tokenizer))}
+            row |= {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer))
+                    for c in (1, 8)}
             if not args.skip_load:
                 for c in concurrencies:
                     n = args.load_requests_c1 if c == 1 else args.load_requests
@@ -209,6 +252,15 @@ def main(argv: list[str] | None = None) -> None:
             served[mode] = row
 
     print(f"{len(os.sched_getaffinity(0))} CPUs: {cpu_identity()}; engines on {args.device}")
+    print(f"\ngreedy tokens through pdserve up, one request at a time, against the offline engine's: equal "
+          f"leading tokens of {CHECK_TOKENS}, prompts of {'/'.join(map(str, CHECK_PROMPT_LENS))} tokens (prefilled "
+          f"on the prefill worker when there is one, so its KV is pushed); also against colocated")
+    for mode in modes:
+        mine, base = served[mode]["tokens"], reference[decode_threads(mode)]
+        line = f"{mode:10s} vs offline {[common_prefix(a, b) for a, b in zip(mine, base)]}"
+        if mode != "colocated" and "colocated" in served:
+            line += f"  vs colocated {[common_prefix(a, b) for a, b in zip(mine, served['colocated']['tokens'])]}"
+        print(line)
     print("\nstreaming ITL through pdserve up vs the offline engine's per-token time (same threads)")
     print(f"{'mode':10s}{'threads':>8s}{'batch':>6s}{'offline ms':>11s}{'ITL p50 ms':>11s}"
           f"{'ITL mean':>9s}{'p50/offline':>12s}")
