@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                     chosen = prompts[(b % 4) * args.burst:(b % 4 + 1) * args.burst]
                     stats.config_resetstat()
                     wall, waits, fell_back = asyncio.run(burst(policies[mode], chosen, f"{mode}{b}"))
-                    policies[mode]._reservations.flush(30.0)  # its reservations and releases too
+                    policies[mode].flush(30.0)  # its reservations and releases too
                     script = stats.info("commandstats").get("cmdstat_evalsha", {})
                     r = result[mode]
                     r["walls"].append(wall)

@@ -192,6 +192,11 @@ class PrefixAwarePolicy(LoadPolicy):
         with self._own_lock:
             self._own[worker_id] = max(self._own.get(worker_id, 0) - 1, 0)
 
+    def flush(self, timeout_s: float) -> None:
+        """Wait until the index calls made so far (lookups, reservation writes) are done."""
+        self._lookups.flush(timeout_s)
+        self._reservations.flush(timeout_s)
+
     def close(self) -> None:
         self._lookups.shutdown()
         self._reservations.shutdown()
