@@ -27,6 +27,7 @@ from engine.scheduler.output import RequestOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.spec_decode.decoder import build_spec_decoder
 from engine.stats import EngineStats, RemoteReservation, Sendable, TierStats
+from engine.step_timer import EventPair, StepTimer
 from engine.structured.compiler import ConstraintCompiler
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class EngineCore:
         self.num_chained_admissions = 0  # queued requests that joined a chained step
         self.num_steps = 0  # forwards launched (chained ones included)
         self.num_step_rows = 0  # requests in them, summed
+        self.step_timer = StepTimer(self.runner.device)  # the device's time per step, when enabled
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resumed_output_token_ids: Sequence[int] = ()) -> list[str]:
@@ -159,9 +161,10 @@ class EngineCore:
             sched = self._schedule()
             if sched.is_empty:
                 return []
-            result = self._launch(sched, defer=False).result
-            assert isinstance(result, RunnerOutput)
-            return self._update(sched, result)
+            done = self._launch(sched, defer=False)
+            assert isinstance(done.result, RunnerOutput)
+            self.step_timer.book(done.timing)
+            return self._update(sched, done.result)
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             sched = self._schedule()
@@ -181,6 +184,7 @@ class EngineCore:
         if isinstance(result, DeferredTokens):
             result = result.output()
             self._observe_prefill(launched.sched, launched.started)  # launch to tokens on the host
+        self.step_timer.book(launched.timing)
         self.scheduler.unbooked.booking()
         return self._update(launched.sched, result)
 
@@ -193,12 +197,14 @@ class EngineCore:
         block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
         draft_probs = self.spec.fill(sched, block_ids)
         started = time.perf_counter()
+        timing = self.step_timer.start()
         result = self.runner.launch(sched, block_ids, draft_probs, defer, chain)
+        self.step_timer.stop(timing)
         self.num_steps += 1
         self.num_step_rows += len(sched.scheduled)
         if isinstance(result, RunnerOutput):
             self._observe_prefill(sched, started)
-        return _Launched(sched, result, started)
+        return _Launched(sched, result, started, timing)
 
     def _observe_prefill(self, sched: SchedulerOutput, started: float) -> None:
         num_tokens = sched.total_num_scheduled_tokens
@@ -365,6 +371,7 @@ class _Launched:
     sched: SchedulerOutput
     result: RunnerOutput | DeferredTokens
     started: float  # perf_counter at launch
+    timing: EventPair | None = None  # StepTimer's events around the launch
 
 
 def uses_async_scheduling(config: EngineConfig) -> bool:

@@ -242,6 +242,7 @@ class AsyncEngine:
     def _run(self) -> None:
         set_native_thread_name(ENGINE_THREAD_NAME)
         step_log = StepLog(time.monotonic())
+        self.core.step_timer.enabled = True  # the device's time per step, for step_log's line
         try:
             while not self._stopping:
                 while self._commands:

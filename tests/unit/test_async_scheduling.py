@@ -358,3 +358,21 @@ def test_auto_is_on_for_cuda_decode_engines_without_speculation():
     assert not uses_async_scheduling(config("cuda", "on", spec="ngram"))
     with pytest.raises(ConfigError, match="async_scheduling must be auto|on|off, got 'yes'"):
         config("cuda", "yes")
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_the_step_timer_times_every_booked_step_on_a_device_and_nothing_elsewhere(device, mode):
+    """engine/step_timer.py: on CUDA each step's device time, read when it is booked (never a
+    wait); on a CPU, and while not enabled, no events at all."""
+    core = make_core(tiny_model(), device, mode)
+    drive(core, workload(None))  # not enabled (offline): nothing recorded
+    assert (core.step_timer.num_timed, core.step_timer.seconds) == (0, 0.0)
+    core.step_timer.enabled = True
+    steps_before = core.num_steps
+    drive(core, workload(None))
+    steps = core.num_steps - steps_before
+    if device == "cuda":
+        assert core.step_timer.num_timed == steps and core.step_timer.seconds > 0
+        assert len(core.step_timer._free) <= 2  # the pairs are reused: at most two steps in flight
+    else:
+        assert (core.step_timer.num_timed, core.step_timer.seconds) == (0, 0.0) and steps > 0

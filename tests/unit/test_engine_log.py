@@ -15,11 +15,18 @@ STATS = EngineStats(num_free_blocks=650, num_total_blocks=1000, block_size=16,
 
 
 @dataclass
+class _Timer:  # what StepLog reads of a StepTimer
+    seconds: float = 0.0
+    num_timed: int = 0
+
+
+@dataclass
 class _Counts:  # what StepLog reads of an EngineCore, set by hand
     num_steps: int = 0
     num_step_rows: int = 0
     num_chained_steps: int = 0
     stats_reads: list[int] = field(default_factory=list)
+    step_timer: _Timer = field(default_factory=_Timer)
 
     def stats(self) -> EngineStats:
         self.stats_reads.append(self.num_steps)
@@ -53,3 +60,18 @@ def test_a_line_per_interval_of_work_and_none_at_rest():
     assert line is not None and "1 steps in 10.0 s" in line and "100% of steps chained" in line
     with pytest.raises(ValueError, match="interval_s must be positive"):
         StepLog(now=0.0, interval_s=0)
+
+
+def test_on_a_device_the_line_gives_its_time_per_step_and_how_busy_it_was():
+    before, now = Tally(100.0, 10, 100, 5, 50, 1.0, 10), Tally(110.0, 2355, 134_468, 2303, 13_170, 10.17, 2355)
+    line = describe(before, now, STATS)
+    assert line is not None and line.endswith("KV 35% used; device 3.91 ms per step, busy 92%")
+    counts = _Counts()
+    step_log = StepLog(now=0.0, interval_s=10.0)
+    step_log.observe(1.0, counts)
+    counts.num_steps, counts.step_timer = 500, _Timer(4.0, 500)  # 8 ms per step, 10 s: 40% busy
+    line = step_log.observe(11.0, counts)
+    assert line is not None and line.endswith("device 8.00 ms per step, busy 40%")
+    counts.num_steps += 100  # steps with no device time (a CPU engine): nothing about a device
+    line = step_log.observe(21.0, counts)
+    assert line is not None and "device" not in line
