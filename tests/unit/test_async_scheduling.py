@@ -376,3 +376,16 @@ def test_the_step_timer_times_every_booked_step_on_a_device_and_nothing_elsewher
         assert len(core.step_timer._free) <= 2  # the pairs are reused: at most two steps in flight
     else:
         assert (core.step_timer.num_timed, core.step_timer.seconds) == (0, 0.0) and steps > 0
+
+
+def test_a_step_timer_that_cannot_read_its_events_turns_itself_off():
+    from engine.step_timer import StepTimer
+
+    class Broken:
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: not ready")
+
+    timer = StepTimer(torch.device("cpu"))
+    timer.enabled = True
+    timer.book((Broken(), Broken()))  # type: ignore[arg-type]
+    assert not timer.enabled and timer.num_timed == 0 and timer.start() is None
