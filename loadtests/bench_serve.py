@@ -239,7 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     served: dict[str, dict] = {}
     for mode in modes:
         with running_cluster([*MODES[mode], *up_args]) as cluster:
-            row: dict = {"tokens": asyncio.run(served_tokens(cluster.http_url, cluster.model, loaded.tokenizer))}
+            row: dict = {}
+            try:  # a check that fails is reported; the timings still run
+                row["tokens"] = asyncio.run(served_tokens(cluster.http_url, cluster.model, loaded.tokenizer))
+            except Exception as exc:  # noqa: BLE001
+                row["tokens"] = f"{type(exc).__name__}: {exc}"[:300]
             row |= {c: asyncio.run(itl(cluster.http_url, cluster.model, c, args.itl_tokens, loaded.tokenizer))
                     for c in (1, 8)}
             if not args.skip_load:
@@ -257,9 +261,13 @@ def main(argv: list[str] | None = None) -> None:
           f"on the prefill worker when there is one, so its KV is pushed); also against colocated")
     for mode in modes:
         mine, base = served[mode]["tokens"], reference[decode_threads(mode)]
+        if isinstance(mine, str):
+            print(f"{mode:10s} failed: {mine}")
+            continue
         line = f"{mode:10s} vs offline {[common_prefix(a, b) for a, b in zip(mine, base)]}"
-        if mode != "colocated" and "colocated" in served:
-            line += f"  vs colocated {[common_prefix(a, b) for a, b in zip(mine, served['colocated']['tokens'])]}"
+        colocated = served.get("colocated", {}).get("tokens")
+        if mode != "colocated" and isinstance(colocated, list):
+            line += f"  vs colocated {[common_prefix(a, b) for a, b in zip(mine, colocated)]}"
         print(line)
     print("\nstreaming ITL through pdserve up vs the offline engine's per-token time (same threads)")
     print(f"{'mode':10s}{'threads':>8s}{'batch':>6s}{'offline ms':>11s}{'ITL p50 ms':>11s}"
