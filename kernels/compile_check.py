@@ -32,6 +32,8 @@ def _compile(kernel: JITFunction, pointer_types: dict[str, str], constexprs: dic
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    constexprs = dict(constexprs)
+    num_warps = constexprs.pop("num_warps", 4)  # a launch option, not a kernel argument
     signature = {}
     aligned = {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
@@ -49,7 +51,7 @@ def _compile(kernel: JITFunction, pointer_types: dict[str, str], constexprs: dic
         source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
     except (TypeError, AttributeError):  # a triton whose ASTSource takes attrs another way
         source, aligned = ASTSource(kernel, signature, constexprs=constexprs), {}
-    compiled = triton.compile(source, target=target)
+    compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
     return _resources(compiled.asm["ptx"]) + ("" if aligned else " (unaligned)")
 
 
@@ -107,9 +109,6 @@ def main() -> int:
         ("paged attention", paged_attention._paged_attention_kernel, index, {**attention, "NUM_SPLITS": 1}),
         ("paged attention split-KV", paged_attention._paged_attention_kernel, index,
          {**attention, "NUM_SPLITS": 4}),
-        ("paged attention fp32 prefill", paged_attention._paged_attention_kernel,
-         {**index, "default": "*fp32"},
-         {**attention, "G_PAD": 1, "BLOCK_Q": 64, "BLOCK_M": 64, "NUM_SPLITS": 1, "DOT_FP32": True}),
         ("paged attention fp32 queries, bf16 cache", paged_attention._paged_attention_kernel,
          {**index, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "default": "*fp32"},
          {**attention, "G_PAD": 4, "NUM_SPLITS": 1, "DOT_FP32": True}),
@@ -169,6 +168,14 @@ def main() -> int:
     for dtype in ("fp32", "bf16"):
         jobs.append((f"greedy tokens, {dtype} logits", greedy._greedy_kernel,
                      {"out_ptr": "*i64", "default": f"*{dtype}"}, dict(BLOCK=greedy.BLOCK)))
+    # fp32 prefill (exact fp32 dots) on the engine's tiles for it (paged_attention.fp32_prefill_tiles)
+    for head_dim_pad, g_pad in ((64, 1), (128, 4), (256, 1)):
+        block_m, tile_n, num_warps = paged_attention.fp32_prefill_tiles(head_dim_pad, g_pad)
+        jobs.append((f"paged attention fp32 prefill, head_dim {head_dim_pad}",
+                     paged_attention._paged_attention_kernel, {**index, "default": "*fp32"},
+                     {**attention, "HEAD_DIM_PAD": head_dim_pad, "G_PAD": g_pad, "BLOCK_Q": block_m // g_pad,
+                      "BLOCK_M": block_m, "TILE_N": tile_n, "NUM_SPLITS": 1, "DOT_FP32": True,
+                      "num_warps": num_warps}))
     for name, kernel, pointers, constexprs in jobs:
         resources = _compile(kernel, pointers, constexprs)
         print(f"ok  {name} (sm_{TARGET_ARCH}): {resources}", flush=True)

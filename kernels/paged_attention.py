@@ -284,6 +284,15 @@ def _block_m(max_seqlen_q: int, g_pad: int, device: torch.device) -> int:
     return max(g_pad, 128 if device.type == "cuda" and rows >= 128 else 64 if rows >= 64 else 16)
 
 
+def fp32_prefill_tiles(head_dim_pad: int, g_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps) of a CUDA launch with exact fp32 dots over a query tile of
+    64 rows or more (a prefill). Those dots run on the FMA units with their tiles in registers:
+    the bf16 tiles (128 x 64 on 8 warps, 64 x 64 on 4) spilled 0.6-15 KB per thread on sm_90
+    at head_dim 64-128; 64 x 32 on 8 warps (32 x 32 past head_dim 128) spill nothing
+    (``kernels.compile_check``)."""
+    return max(g_pad, 64 if head_dim_pad <= 128 else 32), 32, 8
+
+
 def launch_variants(num_heads: int, num_kv_heads: int, device: torch.device,
                     max_model_len: int) -> list[tuple[int, int]]:
     """(max_seqlen_q, num_splits) pairs that reach every compiled variant the engine can launch
@@ -430,7 +439,13 @@ def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         return out
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_m = _block_m(max_seqlen_q, g_pad, device)
+    num_warps = 8 if block_m >= 128 else 4
+    dot_fp32 = _dot_in_fp32(query.dtype)
+    if device.type == "cuda" and dot_fp32 and block_m >= 64:
+        block_m, fp32_tile_n, num_warps = fp32_prefill_tiles(head_dim_pad, g_pad)
+        tile_n = tile_n or fp32_tile_n
     block_q = block_m // g_pad
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see module docstring
     if tile_n is None:
@@ -442,7 +457,6 @@ def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
                                       block_tables.shape[1] * block_size, max_seqlen_q)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
 
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
@@ -450,7 +464,6 @@ def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         part_ml = torch.empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=device)
     else:
         part_acc = part_ml = out  # unused
-    num_warps = 8 if block_m >= 128 else 4
     quant = QUANT_DTYPES.index(key_cache.dtype) + 1 if key_cache.dtype in QUANT_DTYPES else 0
     k_codes, v_codes, k_scales, v_scales = key_cache, value_cache, key_cache, value_cache
     if quant:
@@ -473,7 +486,7 @@ def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         *rope_strides,
         BLOCK_SIZE=block_size, HEAD_DIM_PAD=head_dim_pad, G_PAD=g_pad, BLOCK_Q=block_q,
         BLOCK_M=block_m, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        DOT_FP32=_dot_in_fp32(query.dtype), QUANT=quant, ROPE_STORE=rope is not None,
+        DOT_FP32=dot_fp32, QUANT=quant, ROPE_STORE=rope is not None,
         num_warps=num_warps,
     )
     if num_splits > 1:

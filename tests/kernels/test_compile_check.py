@@ -36,12 +36,11 @@ def test_kernels_compile_for_sm90(compiled):
 
 
 def test_no_kernel_spills_on_sm90(compiled):
-    # but perhaps the fp32 prefill attention: its exact fp32 products (no TF32) unroll into FMA
-    # code that ptxas 13.4 fits in 32 registers with ~30 KB of spills (fp32 serves the HF parity
-    # checks on a GPU; bf16 is the default there)
+    # the fp32 prefill attention too, on its own tiles (paged_attention.fp32_prefill_tiles)
     unknown = [line for line in compiled if "resources unknown" in line]
     if unknown:  # another triton (the GPU machine's may be older): its ptxas is elsewhere
         pytest.skip(f"no register counts from this triton's ptxas: {unknown[0]}")
     spills = {line.split(" (sm_")[0]: int(re.search(r"(\d+) spill bytes", line).group(1)) for line in compiled}
     assert spills["ok  GEMV linear, 1 row(s), bf16"] == 0  # the parse found the counts
-    assert {name for name, size in spills.items() if size} <= {"ok  paged attention fp32 prefill"}, spills
+    assert sum("fp32 prefill" in name for name in spills) == 3
+    assert {name for name, size in spills.items() if size} == set(), spills
