@@ -1,8 +1,8 @@
 """pdserve on one CUDA GPU against HF transformers and the bandwidth bound, in one run.
 
     python -m loadtests.bench_gpu STAGE [STAGE ...] [--models-dir DIR] [--out DIR]
-    stages: env parity speed-smol speed-1b7; tokenizer (on a machine with the default model: writes
-    its tokenizer to --tokenizer-dir for the machines without it)
+    stages: env parity speed-smol speed-1b7 profile; models (only builds the bf16 models); tokenizer
+    (on a machine with the default model: writes its tokenizer to --tokenizer-dir for the others)
     DRY=1 python -m loadtests.bench_gpu ...   the same on the CPU with 2-layer models (checks the script)
 
 Models: random weights in the exact shapes of SmolLM2-135M and SmolLM2-1.7B, written as HF
@@ -426,7 +426,13 @@ def stage_tokenizer(args: argparse.Namespace, log: Log) -> None:
     log(stage="tokenizer", wrote=str(args.tokenizer_dir))
 
 
-STAGES = {"tokenizer": stage_tokenizer, "env": stage_env, "parity": stage_parity,
+def stage_models(args: argparse.Namespace, log: Log) -> None:
+    """The bf16 models of both shapes, built where missing (what the served runs load)."""
+    for name in SHAPES:
+        log(stage="models", model=str(make_model(args.models_dir, args.tokenizer_dir, name, torch.bfloat16, log)))
+
+
+STAGES = {"tokenizer": stage_tokenizer, "models": stage_models, "env": stage_env, "parity": stage_parity,
           "speed-smol": lambda a, log: stage_speed("smol135m", a, log),
           "speed-1b7": lambda a, log: stage_speed("smol1b7", a, log), "profile": stage_profile}
 

@@ -38,6 +38,8 @@ fi
 serve_s=${T_SERVE:-240}
 if [ -n "${DEADLINE:-}" ]; then serve_s=$(( DEADLINE - $(date +%s) + start )); fi
 if [ "${SERVE:-1}" = 1 ] && [ "$serve_s" -ge 90 ]; then
+  # a machine that went cold since the speed stages has no models: build them (seconds)
+  [ -d "$MODELS_DIR"/smol1b7-bfloat16 ] || python3 -m loadtests.bench_gpu models --tokenizer-dir .gpu/model --out "$OUT"
   model=$(ls -d "$MODELS_DIR"/smol1b7-bfloat16 2>/dev/null || ls -d "$MODELS_DIR"/smol135m-bfloat16)
   # SIGINT, so that bench_serve stops its clusters (each in a session of its own) on the way out
   timeout -s INT -k 30 "$serve_s" python3 -m loadtests.bench_serve --model "$model" --device cuda --modes "${SERVE_MODES:-colocated,grpc}" \
