@@ -168,6 +168,12 @@ def main() -> int:
     for dtype in ("fp32", "bf16"):
         jobs.append((f"greedy tokens, {dtype} logits", greedy._greedy_kernel,
                      {"out_ptr": "*i64", "default": f"*{dtype}"}, dict(BLOCK=greedy.BLOCK)))
+    # bf16 prefill on the engine's CUDA tiles (128 query rows, 64 keys, 8 warps; _launch)
+    for head_dim_pad, g_pad in ((64, 1), (128, 4)):
+        jobs.append((f"paged attention bf16 prefill, head_dim {head_dim_pad}",
+                     paged_attention._paged_attention_kernel, index,
+                     {**attention, "HEAD_DIM_PAD": head_dim_pad, "G_PAD": g_pad, "BLOCK_Q": 128 // g_pad,
+                      "BLOCK_M": 128, "TILE_N": 64, "NUM_SPLITS": 1, "num_warps": 8}))
     # fp32 prefill (exact fp32 dots) on the engine's tiles for it (paged_attention.fp32_prefill_tiles)
     for head_dim_pad, g_pad in ((64, 1), (128, 4), (256, 1)):
         block_m, tile_n, num_warps = paged_attention.fp32_prefill_tiles(head_dim_pad, g_pad)

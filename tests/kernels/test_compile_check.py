@@ -42,5 +42,5 @@ def test_no_kernel_spills_on_sm90(compiled):
         pytest.skip(f"no register counts from this triton's ptxas: {unknown[0]}")
     spills = {line.split(" (sm_")[0]: int(re.search(r"(\d+) spill bytes", line).group(1)) for line in compiled}
     assert spills["ok  GEMV linear, 1 row(s), bf16"] == 0  # the parse found the counts
-    assert sum("fp32 prefill" in name for name in spills) == 3
+    assert sum("fp32 prefill" in name for name in spills) == 3 and sum("bf16 prefill" in n for n in spills) == 2
     assert {name for name, size in spills.items() if size} == set(), spills
