@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -54,7 +53,6 @@ class IndexClient:
         self.meta_error: IndexMetaMismatch | None = None
         self.fallbacks: dict[str, int] = {}
         self.on_fallback: Callable[[str], None] | None = None
-        self.last_lookup_s = 0.0
 
     @property
     def is_available(self) -> bool:
@@ -80,7 +78,6 @@ class IndexClient:
         if not self.breaker.allow():
             self._count_fallback("breaker_open", len(chains))
             return [None] * len(chains)
-        start = time.perf_counter()
         try:
             if not self._meta_ok:
                 self._verify_meta()
@@ -99,7 +96,6 @@ class IndexClient:
                 self._meta_ok = False
             self._count_fallback("timeout" if isinstance(exc, redis.TimeoutError) else "error", len(chains))
             return [None] * len(chains)
-        self.last_lookup_s = time.perf_counter() - start
         self.breaker.record_success()
         return result
 

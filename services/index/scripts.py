@@ -56,8 +56,9 @@ class IndexScripts:
         self.scope = meta.scope
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
-    def _run(self, name: str, *args: str | float) -> Any:  # redis replies are untyped
-        return self._scripts[name](keys=[], args=[self.scope, *args])
+    def _run(self, name: str, *args: str | float, client: Any = None) -> Any:  # redis replies are untyped
+        """Run script ``name``; ``client``: a pipeline to queue it on instead (None: run it now)."""
+        return self._scripts[name](keys=[], args=[self.scope, *args], client=client)
 
     def register(self, worker: WorkerInfo, epoch: str, lease_ms: int) -> None:
         """(Re)register ``worker`` with ``epoch``: drops its previous entries, resets last_seq and
@@ -160,12 +161,9 @@ class IndexScripts:
         ``ops`` are ("reserve" | "release", worker id, request id); each reply as they give it."""
         pipe = self.client.pipeline(transaction=False)
         for op, worker_id, request_id in ops:
-            args: list[str | float] = [self.scope, worker_id, request_id]
-            if op == "reserve":
-                args.append(ttl_ms)
-            elif op != "release":
+            if op not in ("reserve", "release"):
                 raise ValueError(f"reservation op must be reserve or release, got {op!r}")
-            self._scripts[op](keys=[], args=args, client=pipe)
+            self._run(op, worker_id, request_id, *([ttl_ms] if op == "reserve" else []), client=pipe)
         return [int(reply) for reply in pipe.execute()]
 
     def reserve(self, worker_id: str, request_id: str, ttl_ms: int) -> int:
