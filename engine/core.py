@@ -12,10 +12,11 @@ import torch
 from engine.config import ConfigError, EngineConfig, Role
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.events import KVCacheEvent, Tier
-from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.hashing import BlockHash, hash_request_blocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiers.build import build_host_tier
 from engine.kv_cache.tiers.lower_tier import LowerTier
+from engine.kv_cache.tiers.protocol import NoHostTier
 from engine.models.loader import LoadedModel
 from engine.request import Request, RequestStatus
 from engine.runner.deferred import DeferredTokens
@@ -53,6 +54,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
         self.host_tier = build_host_tier(config.cache, self.runner.kv_cache, self.block_pool,
                                          config.scheduler.max_num_batched_tokens, lower_tier)
+        self._lower_tier = None if isinstance(self.host_tier, NoHostTier) else lower_tier
         self.spec = build_spec_decoder(config.spec, self.runner, config.cache)
         self._samples: dict[str, list[str]] = {}  # request id -> its unfinished sample ids
         # structured outputs: thread-safe, so services may compile on their own threads first
@@ -108,6 +110,21 @@ class EngineCore:
             self.scheduler.add_request(request, fork_from=requests[0].request_id)
         self._samples[request_id] = list(sample_ids)  # the caller keeps its own list
         return sample_ids
+
+    def prefetch_prefix(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Start the lower tier's lookup of the prompt's blocks ahead of its admission
+        (``LowerTier.prefetch``), so that admitting it (or reserving for it) on the engine thread
+        finds the answer instead of waiting a round trip for it. Any thread: it reads nothing
+        the engine thread writes. Bad input is left for ``add_request`` to name."""
+        tier = self._lower_tier
+        if tier is None:
+            return
+        try:
+            hashes = hash_request_blocks(prompt_token_ids, self.config.cache.block_size,
+                                         params.block_hash_extra_keys)
+        except (TypeError, ValueError):
+            return
+        tier.prefetch(hashes)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         if not prompt_token_ids:

@@ -164,6 +164,11 @@ class AsyncEngine:
         """``EngineCore.spec_stats``: speculation counters, None when speculation is off."""
         return self.core.spec_stats()
 
+    def prefetch_prefix(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start the kvstore's lookup of a prompt that is about to be added or reserved
+        (``EngineCore.prefetch_prefix``: any thread, never blocks)."""
+        self.core.prefetch_prefix(prompt_token_ids, params)
+
     def sendable(self, request_id: str) -> Sendable | None:
         return self.core.sendable(request_id)
 
@@ -205,6 +210,7 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until every sample finished. Closing the
         iterator early (client gone, stop string) aborts the request in the engine."""
+        self.prefetch_prefix(prompt_token_ids, params)
         await self.compile_constraint(params)
         queue = self.subscribe(request_id)
         finished = 0

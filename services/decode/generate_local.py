@@ -48,6 +48,7 @@ async def generate_local(engine: AsyncEngine, counters: PrefixCounters,
     if not prompt:
         raise InvalidArgument("Generate: prompt_token_ids is empty: give at least one token")
     params = one_sample_params(request.sampling_params, "Generate")
+    engine.prefetch_prefix(prompt, params)  # the kvstore's answer comes while we compile and queue
     try:
         await compile_constraint(engine, params, "Generate")  # off the engine loop
     except InvalidArgument:

@@ -143,6 +143,7 @@ class DecodeWorker(RoleHandler, worker_pb2_grpc.DecodeServiceServicer):
         try:
             try:
                 params = params_from_proto(request.sampling_params)  # bad words come tokenized
+                self.engine.prefetch_prefix(prompt, params)  # the kvstore answers while we wait
                 await self.engine.compile_constraint(params)  # off the engine loop, before reserving
                 reserving = asyncio.ensure_future(
                     self.engine.call(lambda c: c.reserve_remote(reservation_id, prompt, params)))

@@ -2,6 +2,7 @@
 
     client = KVStoreClient("127.0.0.1:50081", compat)        # compat: the worker's KVCompat
     num_cached = await client.lookup(hashes)                  # 0 when the store is down
+    held = await client.lookup_present(hashes)                # per hash; [] when it is down
     await client.offer_and_put(hashes, parent, token_ids, blocks)   # blocks: [n, *block_shape]
     num_landed = await client.get_into(hashes, dst_blocks)    # gRPC path, bytes copied in order
     num_landed = await client.read_into(reader, hashes, dst_block_ids)  # NIXL path
@@ -73,15 +74,24 @@ class KVStoreClient:
 
     async def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading ``hashes`` the store holds (0 on any failure)."""
+        reply = await self._lookup(hashes)
+        return 0 if reply is None else int(reply.num_prefix_hits)
+
+    async def lookup_present(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether the store holds each of ``hashes`` ([] on any failure: read it as none)."""
+        reply = await self._lookup(hashes)
+        return [] if reply is None else list(reply.present)
+
+    async def _lookup(self, hashes: Sequence[BlockHash]) -> kvstore_pb2.KVStoreLookupReply | None:
         if not hashes or await self.handshake() is None:
-            return 0
+            return None
         try:
-            reply = await self._stub.Lookup(kvstore_pb2.KVStoreLookupRequest(
+            reply: kvstore_pb2.KVStoreLookupReply = await self._stub.Lookup(kvstore_pb2.KVStoreLookupRequest(
                 compat_hash=self.compat.hash, hashes=list(hashes)), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
             self._failed("Lookup", error)
-            return 0
-        return int(reply.num_prefix_hits)
+            return None
+        return reply
 
     async def offer_and_put(self, hashes: Sequence[BlockHash], parent_hash: BlockHash | None,
                             token_ids: Sequence[int], blocks: torch.Tensor) -> int:

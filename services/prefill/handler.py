@@ -168,6 +168,8 @@ class _PrefillJob:
 
     async def run(self) -> AsyncGenerator[worker_pb2.PrefillResponse, None]:
         """The call's responses, in the order of the module docstring."""
+        # the kvstore's answer for this prompt comes while the decode worker reserves
+        self.engine.prefetch_prefix(self.prompt, self.params)
         await compile_constraint(self.engine, self.params, "Prefill")  # before the decode worker reserves
         if self.params.max_tokens != 1:  # 1: the first token ends the request, no decode worker
             reservation = await self._reserve()

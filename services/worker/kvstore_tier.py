@@ -12,6 +12,13 @@ engine thread waits for it with short budgets: ``match`` a few milliseconds (no 
 a miss), ``load`` at most ``load_budget_s`` (a load not finished by then loads nothing more; the
 engine recomputes the rest).
 
+``prefetch`` (any thread, never blocks) looks a request's whole prompt chain up as it arrives,
+before the engine admits it: a ``match`` on a run of that chain within ``PREFETCH_TTL_S``
+answers from the store's per-block reply instead of a round trip on the engine thread (a
+decode worker's reservation, a prefill worker's admission waited for one per request, in
+series with the steps). The answer may be that much older; a block evicted since is a short
+``load`` (recomputed), one stored since a miss.
+
 ``load`` moves the bytes over NIXL when both sides can (``transfer`` nixl or auto, and the store
 runs with NIXL): PrepareRead (a lease), a one-sided READ into a registered staging region owned
 by this tier, Release (``kvstore_nixl.py``). Otherwise, over gRPC ``Get`` into a private staging
@@ -32,6 +39,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,6 +56,8 @@ from services.worker.settings import KVSTORE_TRANSFERS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PREFETCH_TTL_S = 1.0  # a prefetched answer older than this is asked again
+MAX_PREFETCHED_HASHES = 16384  # the oldest prefetches are forgotten past this many hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +95,8 @@ class KVStoreTierCounters:
     """What happened at this edge (mutable; read from any thread, torn reads are harmless)."""
 
     num_lookup_timeouts: int = 0
+    num_prefetches: int = 0  # prompt chains looked up ahead of their admission
+    num_prefetched_matches: int = 0  # matches answered by one of them (no round trip of their own)
     num_load_timeouts: int = 0
     num_offered_blocks: int = 0
     num_dropped_blocks: int = 0  # offered while the queue was full, or before ``start``
@@ -99,6 +111,15 @@ class KVStoreTierCounters:
     grpc_load_s: float = 0.0  # ... over gRPC (both: PrepareRead or Get to the copy into host slots)
 
 
+@dataclass(slots=True, eq=False)
+class _Prefetch:
+    """One prompt chain's lookup, started by ``prefetch``."""
+
+    hashes: list[BlockHash]
+    present: concurrent.futures.Future[list[bool]]
+    started: float  # time.monotonic()
+
+
 class KVStoreTier:
     """A ``LowerTier`` over a ``KVStoreClient`` on its own event-loop thread."""
 
@@ -111,6 +132,8 @@ class KVStoreTier:
         self._nixl: NixlLoader | None = None  # made on the loop thread by ``start``
         self._lock = threading.Lock()
         self._num_queued = 0
+        # every hash of a prefetched chain -> (its prefetch, its index in the chain); under _lock
+        self._prefetched: OrderedDict[BlockHash, tuple[_Prefetch, int]] = OrderedDict()
 
     @property
     def transport(self) -> str:
@@ -187,15 +210,57 @@ class KVStoreTier:
             asyncio.run_coroutine_threadsafe(self._put(client, hashes, chain[0].parent_hash, tokens, data),
                                              self._loop)
 
+    def prefetch(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Start looking ``block_hashes`` (a prompt's chain) up for a ``match`` soon after; any
+        thread, never blocks."""
+        client = self._client
+        if client is None or not block_hashes:
+            return
+        hashes = list(block_hashes)
+        entry = _Prefetch(hashes, asyncio.run_coroutine_threadsafe(client.lookup_present(hashes), self._loop),
+                          time.monotonic())
+        self.counters.num_prefetches += 1
+        with self._lock:
+            for i, block_hash in enumerate(hashes):
+                self._prefetched[block_hash] = (entry, i)
+                self._prefetched.move_to_end(block_hash)
+            while len(self._prefetched) > MAX_PREFETCHED_HASHES:
+                self._prefetched.popitem(last=False)
+
     def match(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading ``block_hashes`` the store holds; 0 when it does not answer in budget."""
+        """How many leading ``block_hashes`` the store holds; 0 when it does not answer in budget.
+        A run of a chain prefetched within ``PREFETCH_TTL_S`` is answered from that lookup."""
         if self._client is None or not block_hashes:
             return 0
+        taken = self._take_prefetch(block_hashes)
         try:
-            return self._run(self._client.lookup(list(block_hashes)), self.config.lookup_budget_s)
+            if taken is None:
+                return self._run(self._client.lookup(list(block_hashes)), self.config.lookup_budget_s)
+            entry, start = taken
+            present = entry.present.result(timeout=self.config.lookup_budget_s)
         except (TimeoutError, concurrent.futures.TimeoutError):
             self.counters.num_lookup_timeouts += 1
+            if taken is not None:
+                taken[0].present.cancel()
             return 0
+        self.counters.num_prefetched_matches += 1
+        run = present[start:start + len(block_hashes)]
+        return next((i for i, held in enumerate(run) if not held), len(run))
+
+    def _take_prefetch(self, block_hashes: Sequence[BlockHash]) -> tuple[_Prefetch, int] | None:
+        """The fresh prefetch whose chain holds ``block_hashes`` as a run, and where the run starts
+        (forgotten here: a prefetch answers one admission); None if there is none."""
+        with self._lock:
+            found = self._prefetched.get(block_hashes[0])
+            if found is None:
+                return None
+            entry, start = found
+            if entry.hashes[start:start + len(block_hashes)] != list(block_hashes):
+                return None  # another chain through the same block: left for its own match
+            for block_hash in entry.hashes:
+                if self._prefetched.get(block_hash, (None, 0))[0] is entry:
+                    del self._prefetched[block_hash]
+        return found if time.monotonic() - entry.started <= PREFETCH_TTL_S else None
 
     def load(self, block_hashes: Sequence[BlockHash], dst: torch.Tensor, dst_slots: Sequence[int]) -> int:
         """Land the leading ``len(dst_slots)`` blocks in ``dst[dst_slots[i]]`` within

@@ -17,6 +17,7 @@ from engine.kv_cache.events import Tier
 from engine.kv_cache.hashing import hash_request_blocks
 from engine.kv_transfer.base import KVCompat
 from engine.sampling_params import SamplingParams
+from services.worker import kvstore_tier
 from services.worker.kvstore_tier import KVStoreTier, KVStoreTierConfig
 from tests.engine_runs import run_alone
 from tests.integration.cluster_fixtures import start_kvstore, stop_all, wait_serving
@@ -47,12 +48,22 @@ def wait_held(tier: KVStoreTier, num_blocks: int, timeout_s: float = 20.0) -> No
                          f"(tier counters {tier.counters})")
 
 
+def wait_prefetched(tier: KVStoreTier, timeout_s: float = 20.0) -> None:
+    """Until every prefetch so far has its reply."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(entry.present.done() for entry, _ in list(tier._prefetched.values())):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"prefetches unanswered after {timeout_s} s")
+
+
 def kvstore_stats(core: EngineCore):
     tiers = {t.tier: t for t in core.stats().tiers}
     return tiers[Tier.KVSTORE]
 
 
-def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(loaded_model, tmp_path):
+def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(loaded_model, tmp_path, monkeypatch):
     store = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="grpc")
     port = int(store.address.rsplit(":", 1)[1])
     engine_args = EngineArgs(block_size=BS, num_kv_blocks=4, max_num_batched_tokens=64,
@@ -71,21 +82,29 @@ def test_a_prefix_evicted_from_device_and_host_comes_back_from_the_kvstore(loade
         wait_held(tier, 3)
         before = kvstore_stats(core)
 
+        core.prefetch_prefix(PROMPTS["a"], GREEDY)  # as the services do when a request arrives
         assert run(core, PROMPTS["a"], "a-from-kvstore") == (cold["a"][0], HIT)
+        assert tier.counters.num_prefetched_matches == 1  # the admission read the prefetched reply
         after = kvstore_stats(core)
         assert after.num_hit_blocks - before.num_hit_blocks == 3
         assert after.num_loaded_bytes - before.num_loaded_bytes == 3 * BLOCK_BYTES
         assert after.num_offloaded_bytes > 0 and after.num_load_failures == 0
 
         # The store restarts empty: A (forgotten by device and host too) is a miss, recomputed.
+        # A's prefetched reply (before the restart) still says held: the load finds nothing.
+        monkeypatch.setattr(kvstore_tier, "PREFETCH_TTL_S", 600.0)
+        core.reset_prefix_cache()
+        core.prefetch_prefix(PROMPTS["a"], GREEDY)
+        wait_prefetched(tier)
         stop_all([store])
         store = start_kvstore(tmp_path, "--kvstore-gib", "0.05", transfer="grpc", port=port)
         wait_serving([store], timeout_s=60)
-        core.reset_prefix_cache()
         before = kvstore_stats(core)
         assert run(core, PROMPTS["a"], "a-after-restart") == (cold["a"][0], 0)
+        assert tier.counters.num_prefetched_matches == 2
         after = kvstore_stats(core)
         assert after.num_hit_blocks == before.num_hit_blocks
+        assert after.num_load_failures - before.num_load_failures == 1
         assert after.num_queried_blocks - before.num_queried_blocks == 3
     finally:
         tier.close()

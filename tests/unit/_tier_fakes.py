@@ -99,6 +99,8 @@ class MemoryLowerTier:
         self.capacity = capacity
         self.blocks: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self.max_load: int | None = None
+        self.prefetched: list[list[BlockHash]] = []  # each prefetch's chain
+        self.matched: list[list[BlockHash]] = []  # each match's hashes
 
     def offer(self, blocks: Sequence[EvictedBlock]) -> None:
         for block in blocks:
@@ -107,7 +109,11 @@ class MemoryLowerTier:
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
 
+    def prefetch(self, block_hashes: Sequence[BlockHash]) -> None:
+        self.prefetched.append(list(block_hashes))
+
     def match(self, block_hashes: Sequence[BlockHash]) -> int:
+        self.matched.append(list(block_hashes))
         n = 0
         while n < len(block_hashes) and block_hashes[n] in self.blocks:
             n += 1

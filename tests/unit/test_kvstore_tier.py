@@ -4,6 +4,7 @@ and load is a miss, every offer returns at once (dropped when the queue is full)
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -58,3 +59,91 @@ def test_a_missing_store_is_a_fast_miss_and_offers_never_block():
         assert tier.counters.num_dropped_blocks == 8 and tier.counters.num_offered_blocks == 5
     finally:
         tier.close()
+
+
+@pytest.fixture
+def started_tier():
+    """A started tier whose store is not there: every lookup is a fast miss, so the counters
+    say which path a match took."""
+    tier = KVStoreTier(KVStoreTierConfig(f"127.0.0.1:{closed_port()}", lookup_budget_s=2.0))
+    tier.start(COMPAT)
+    yield tier
+    tier.close()
+
+
+def test_a_prefetched_chain_answers_one_match_on_any_run_of_it(started_tier):
+    tier = started_tier
+    tier.prefetch(HASHES)
+    assert tier.match(HASHES[1:3]) == 0  # a run inside the chain: the prefetched reply
+    assert (tier.counters.num_prefetches, tier.counters.num_prefetched_matches) == (1, 1)
+    assert tier.match(HASHES[1:3]) == 0  # one admission per prefetch: this one asked the store
+    assert tier.counters.num_prefetched_matches == 1
+    tier.prefetch(HASHES)
+    other = hash_request_blocks([*range(8), 99, 98, 97, 96], 4)  # shares the first 2 blocks
+    assert tier.match(other) == 0  # not a run of the prefetched chain: asked the store
+    assert tier.counters.num_prefetched_matches == 1
+    assert tier.match(HASHES) == 0  # the prefetch is still there for its own chain
+    assert tier.counters.num_prefetched_matches == 2 and tier.counters.num_lookup_timeouts == 0
+
+
+def test_an_old_prefetch_is_asked_again_and_prefetches_are_bounded(started_tier, monkeypatch):
+    from services.worker import kvstore_tier
+    tier = started_tier
+    monkeypatch.setattr(kvstore_tier, "PREFETCH_TTL_S", 0.0)
+    tier.prefetch(HASHES)
+    time.sleep(0.01)
+    assert tier.match(HASHES) == 0 and tier.counters.num_prefetched_matches == 0
+    monkeypatch.setattr(kvstore_tier, "PREFETCH_TTL_S", 60.0)
+    monkeypatch.setattr(kvstore_tier, "MAX_PREFETCHED_HASHES", 6)
+    chains = [hash_request_blocks([c, *range(1, 12)], 4) for c in range(3)]  # 3 blocks each
+    for chain in chains:
+        tier.prefetch(chain)  # the third pushes the first out
+    assert tier.match(chains[0]) == 0 and tier.counters.num_prefetched_matches == 0
+    assert tier.match(chains[1]) == 0 and tier.match(chains[2]) == 0
+    assert tier.counters.num_prefetched_matches == 2
+
+
+class HeldBack:
+    """A client whose Lookup replies ``present`` once the test lets it (``answer``)."""
+
+    def __init__(self, present: list[bool]) -> None:
+        self.present = present
+        self.asked: list[list] = []
+        self._go = asyncio.Event()  # set on the tier's loop
+
+    async def lookup_present(self, hashes):
+        self.asked.append(list(hashes))
+        await self._go.wait()
+        return self.present
+
+    async def lookup(self, hashes):
+        present = await self.lookup_present(hashes)
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    async def close(self):
+        pass
+
+
+def test_prefetch_never_waits_for_the_store_and_match_reads_its_per_block_reply():
+    tier = KVStoreTier(KVStoreTierConfig(f"127.0.0.1:{closed_port()}", lookup_budget_s=0.3))
+    tier.start(COMPAT)
+    try:
+        check_prefetch_reads_the_reply(tier)
+    finally:
+        tier.close()
+
+
+def check_prefetch_reads_the_reply(tier: KVStoreTier) -> None:
+    held = HeldBack([True, True, False, True])
+    tier._client = held  # the tier's logic; the real client against a real store: tests/integration
+    tier.prefetch(HASHES)  # the reply is held back: prefetch returned anyway
+    assert tier.counters.num_prefetches == 1
+    assert tier.match(HASHES) == 0  # no reply within the budget: a miss
+    assert tier.counters.num_lookup_timeouts == 1
+    tier.prefetch(HASHES)
+    tier.prefetch(HASHES[1:])  # the same blocks from the second on: the newer chain answers them
+    tier._loop.call_soon_threadsafe(held._go.set)
+    assert tier.match(HASHES) == 2  # held, held, missing
+    assert tier.match(HASHES[3:]) == 0  # in the newer chain at index 2: missing
+    assert tier.counters.num_prefetched_matches == 2
+    assert [len(a) for a in held.asked] == [4, 4, 3]  # no lookup of a match's own

@@ -18,11 +18,16 @@ Contract, from the host tier's side:
   recomputes from the first block not written (a failed or slow load is a short count, never an
   exception).
 
-Wiring today: ``EngineCore(config, loaded, lower_tier=...)`` hands ``offer`` to the host pool's
-eviction path. ``match``/``load`` are the admission half, not called yet: they belong in
-``Scheduler._lookup_prefix`` after the host hit (``match`` on the hashes the host missed, gated by
-a ``LoadCostModel`` of their own), with ``load`` staging into host slots reserved for them and the
-host tier's ``load`` moving them up in the same batch as the host hits.
+- ``prefetch`` is handed a request's whole prompt chain as the request arrives, from any
+  thread, before the engine admits it: a tier that answers ``match`` over the network can start
+  that lookup now, so that the engine thread finds the answer waiting (a run of that chain);
+  it must not block. Doing nothing is legal.
+
+Wiring: ``EngineCore(config, loaded, lower_tier=...)`` hands ``offer`` to the host pool's
+eviction path; ``match``/``load`` are the admission half (``lower_stage.py``: after the host
+hit, gated by a ``LoadCostModel`` of their own, staging into host slots that the host tier's
+``load`` moves up in the same batch as its own hits); ``EngineCore.prefetch_prefix`` calls
+``prefetch``.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class LowerTier(Protocol):
 
     def offer(self, blocks: Sequence[EvictedBlock]) -> None:
         """Take (or drop) blocks the host tier evicts, without blocking."""
+        ...
+
+    def prefetch(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Start looking up a prompt's chain for a ``match`` soon after; any thread, no blocking."""
         ...
 
     def match(self, block_hashes: Sequence[BlockHash]) -> int:
