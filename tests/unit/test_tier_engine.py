@@ -21,6 +21,7 @@ from engine.kv_cache.tiers.protocol import NoHostTier
 from engine.sampling_params import SamplingParams
 from engine.stats import TierStats
 from tests.engine_runs import run_alone
+from tests.unit._tier_fakes import MemoryLowerTier
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +35,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 HIT = 3 * BS  # tokens of A's (or B's) 3 full blocks
 
 
-def make_core(loaded_model, num_host_blocks: int) -> EngineCore:
+def make_core(loaded_model, num_host_blocks: int, lower_tier: MemoryLowerTier | None = None) -> EngineCore:
     engine_args = EngineArgs(block_size=BS, num_kv_blocks=4, max_num_batched_tokens=64,
                              cpu_offload_gb=num_host_blocks * BLOCK_BYTES / 2**30)
     config = engine_args.build(loaded_model.config, Role.COLOCATED)
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_events=True))
-    return EngineCore(config, loaded_model)
+    return EngineCore(config, loaded_model, lower_tier=lower_tier)
 
 
 _ids = iter(range(10**6))
@@ -182,3 +183,24 @@ def test_two_cache_salts_never_share_blocks(untiered, cold):
     # Same tokens, other salt: a miss; same salt: a hit; unsalted shares nothing with either.
     assert [num_cached for _, num_cached in outputs] == [0, 0, HIT, 0]
     assert all(tokens == cold["a"] for tokens, _ in outputs)  # the salt never changes the output
+
+
+def test_a_prefetch_looks_up_the_chain_that_the_admission_then_asks_below(loaded_model, cold):
+    """``prefetch_prefix`` (what the services call as a request arrives) hashes the prompt as
+    the scheduler does, cache salt included: the admission asks the lower tier for a run of the
+    prefetched chain (a cold prompt: all of it), and the output is the cold run's."""
+    lower = MemoryLowerTier(capacity=16)
+    core = make_core(loaded_model, num_host_blocks=16, lower_tier=lower)
+    for params in (GREEDY, dataclasses.replace(GREEDY, cache_salt="tenant-1")):
+        fresh(core)
+        lower.prefetched.clear()
+        lower.matched.clear()
+        core.prefetch_prefix(PROMPT_A, params)
+        assert run(core, PROMPT_A, params) == (cold["a"], 0)
+        chain = hash_request_blocks(PROMPT_A, BS, params.block_hash_extra_keys)
+        assert lower.prefetched == [chain] and lower.matched == [chain]
+    core.prefetch_prefix([-1] * 20, GREEDY)  # not hashable: nothing, and add_request names them
+    assert len(lower.prefetched) == 1
+    untiered = make_core(loaded_model, num_host_blocks=0, lower_tier=lower)  # the lower tier goes unused
+    untiered.prefetch_prefix(PROMPT_A, GREEDY)
+    assert len(lower.prefetched) == 1
