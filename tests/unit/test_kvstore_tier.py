@@ -104,7 +104,7 @@ def test_an_old_prefetch_is_asked_again_and_prefetches_are_bounded(started_tier,
 
 
 class HeldBack:
-    """A client whose Lookup replies ``present`` once the test lets it (``answer``)."""
+    """A client whose Lookup replies ``present`` once the test calls ``answer`` (on the tier's loop)."""
 
     def __init__(self, present: list[bool]) -> None:
         self.present = present
@@ -120,6 +120,9 @@ class HeldBack:
         present = await self.lookup_present(hashes)
         return next((i for i, p in enumerate(present) if not p), len(present))
 
+    def answer(self) -> None:
+        self._go.set()
+
     async def close(self):
         pass
 
@@ -128,22 +131,18 @@ def test_prefetch_never_waits_for_the_store_and_match_reads_its_per_block_reply(
     tier = KVStoreTier(KVStoreTierConfig(f"127.0.0.1:{closed_port()}", lookup_budget_s=0.3))
     tier.start(COMPAT)
     try:
-        check_prefetch_reads_the_reply(tier)
+        held = HeldBack([True, True, False, True])
+        tier._client = held  # the tier's logic; the real client against a real store: tests/integration
+        tier.prefetch(HASHES)  # the reply is held back: prefetch returned anyway
+        assert tier.counters.num_prefetches == 1
+        assert tier.match(HASHES) == 0  # no reply within the budget: a miss
+        assert tier.counters.num_lookup_timeouts == 1
+        tier.prefetch(HASHES)
+        tier.prefetch(HASHES[1:])  # the same blocks from the second on: the newer chain answers them
+        tier._loop.call_soon_threadsafe(held.answer)
+        assert tier.match(HASHES) == 2  # held, held, missing
+        assert tier.match(HASHES[3:]) == 0  # in the newer chain at index 2: missing
+        assert tier.counters.num_prefetched_matches == 2
+        assert [len(a) for a in held.asked] == [4, 4, 3]  # no lookup of a match's own
     finally:
         tier.close()
-
-
-def check_prefetch_reads_the_reply(tier: KVStoreTier) -> None:
-    held = HeldBack([True, True, False, True])
-    tier._client = held  # the tier's logic; the real client against a real store: tests/integration
-    tier.prefetch(HASHES)  # the reply is held back: prefetch returned anyway
-    assert tier.counters.num_prefetches == 1
-    assert tier.match(HASHES) == 0  # no reply within the budget: a miss
-    assert tier.counters.num_lookup_timeouts == 1
-    tier.prefetch(HASHES)
-    tier.prefetch(HASHES[1:])  # the same blocks from the second on: the newer chain answers them
-    tier._loop.call_soon_threadsafe(held._go.set)
-    assert tier.match(HASHES) == 2  # held, held, missing
-    assert tier.match(HASHES[3:]) == 0  # in the newer chain at index 2: missing
-    assert tier.counters.num_prefetched_matches == 2
-    assert [len(a) for a in held.asked] == [4, 4, 3]  # no lookup of a match's own
