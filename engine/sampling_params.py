@@ -8,6 +8,7 @@ edge (or by ``LLM.generate``); every error is a ``ValueError`` naming the parame
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @functools.cached_property
+    def logits_unprocessed(self) -> bool:
+        """No logprobs asked, and no processor that reads the output or masks tokens by request
+        (penalties, logit bias, allowed tokens, a structured-output constraint). Computed once:
+        the engine asks it of every row of every step (a frozen instance's fields never change)."""
+        return (self.logprobs is None and not self.has_penalties and not self.logit_bias
+                and self.allowed_token_ids is None and self.structured_outputs is None)
 
     @property
     def max_stop_str_len(self) -> int:

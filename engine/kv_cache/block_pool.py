@@ -63,6 +63,7 @@ class _FreeBlockQueue:
         self._head, self._tail = KVBlock(-1), KVBlock(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self.num_blocks = 0
+        self.version = 0  # changes with every append and remove
         for block in blocks:
             self.append(block)
 
@@ -74,6 +75,7 @@ class _FreeBlockQueue:
         block.prev_free, block.next_free = last, self._tail
         last.next_free = self._tail.prev_free = block
         self.num_blocks += 1
+        self.version += 1
 
     def remove(self, block: KVBlock) -> None:
         prev, next_ = block.prev_free, block.next_free
@@ -81,6 +83,7 @@ class _FreeBlockQueue:
         prev.next_free, next_.prev_free = next_, prev
         block.prev_free = block.next_free = None
         self.num_blocks -= 1
+        self.version += 1
 
     def popleft(self) -> KVBlock:
         block = self._head.next_free
@@ -138,6 +141,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks with ref_cnt 0, cached ones included (they are evictable)."""
         return self._free.num_blocks
+
+    @property
+    def free_queue_version(self) -> int:
+        """Changes whenever a block joins or leaves the free queue (its order changes no other way)."""
+        return self._free.version
 
     @property
     def usage(self) -> float:

@@ -123,6 +123,15 @@ class KVCacheManager:
                              f"or truncate() the request after rejecting draft tokens)")
 
         num_required = cdiv(num_total_tokens, bs)
+        if state is not None and num_required <= len(blocks) and not new_computed_blocks:
+            # the tokens land in blocks it has (a decode step's, 15 of 16): nothing to do when
+            # each is its own alone (one reference: no other table, pin or hold) and uncached
+            for i in range(num_computed_tokens // bs, num_required):
+                if blocks[i].ref_cnt != 1 or blocks[i].block_hash is not None:
+                    break
+            else:
+                state.num_tokens = num_total_tokens
+                return []
         num_appended = max(0, num_required - len(blocks) - len(new_computed_blocks))
         cow_indices = [i for i in range(num_computed_tokens // bs, min(num_required, len(blocks)))
                        if self._is_shared(blocks[i]) or blocks[i].block_hash is not None]

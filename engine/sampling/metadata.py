@@ -199,7 +199,7 @@ def takes_argmax(p: SamplingParams, output: Sequence[int], eos_token_ids: Sequen
     greedy, no logprobs, and no processor that would change them now (penalties, logit_bias,
     allowed_token_ids, a structured-output constraint, a banned token). A batch of such rows
     needs no metadata (the sampler's result would be ``row_argmax`` of the logits)."""
-    return p.is_greedy and _unprocessed(p) and not _banned_token_ids(p, output, eos_token_ids)
+    return p.is_greedy and p.logits_unprocessed and not _banned_token_ids(p, output, eos_token_ids)
 
 
 def samples_blind(p: SamplingParams, num_output: int, eos_token_ids: Sequence[int]) -> bool:
@@ -208,15 +208,10 @@ def samples_blind(p: SamplingParams, num_output: int, eos_token_ids: Sequence[in
     its last one) and without a check that needs the host: greedy or random (temperature,
     top-k/p, min-p, a seed: the seeded generator reads only their number), and no logprobs,
     penalties, logit bias, allowed tokens, bad words, grammar or banned stop token."""
-    # without bad words, the bans read only the number of output tokens: a range stands for them
-    return (_unprocessed(p) and not p.bad_words_token_ids
-            and not _banned_token_ids(p, range(num_output), eos_token_ids))
-
-
-def _unprocessed(p: SamplingParams) -> bool:
-    """No logprobs asked, and no processor that reads the output or masks tokens by request."""
-    return (p.logprobs is None and not p.has_penalties and not p.logit_bias
-            and p.allowed_token_ids is None and p.structured_outputs is None)
+    # without bad words, the bans read only the number of output tokens (none from min_tokens
+    # on): a range stands for them
+    return (p.logits_unprocessed and not p.bad_words_token_ids
+            and (num_output >= p.min_tokens or not _banned_token_ids(p, range(num_output), eos_token_ids)))
 
 
 def _banned_token_ids(p: SamplingParams, output: Sequence[int],

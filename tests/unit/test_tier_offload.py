@@ -113,6 +113,40 @@ def test_an_abort_during_a_load_gives_the_blocks_back_once_it_lands(manual):
     assert pool.num_free_blocks == pool.num_blocks and tier.host_pool.pinned_slots() == {}
 
 
+def test_flush_walks_the_free_queue_again_only_when_it_or_the_host_pool_changed(manual, monkeypatch):
+    scheduler, tier, runner, copier = manual
+    pool = scheduler.kv_manager.block_pool
+    walks = []
+    walk = pool.offload_ahead
+    monkeypatch.setattr(pool, "offload_ahead", lambda n: (walks.append(n), walk(n)))
+    runner.run(make_request("a", PROMPT_A, max_tokens=1))
+    events(scheduler)
+    tier.attach(pool, num_ahead=8)
+    walks.clear()
+    tier.flush()
+    assert len(walks) == 1 and len(copier.queue) == 1  # A's 3 cached blocks go down
+    tier.flush()
+    assert len(walks) == 1 and len(copier.queue) == 1  # nothing changed: no walk, no second copy
+    copier.run()
+    tier.flush()  # no walk, but the landed copy is booked
+    assert len(walks) == 1
+    assert events(scheduler) == [BlockStored(HA[:3], None, PROMPT_A[:12], BS, Tier.HOST)]
+    # the host pool lets go of A's last block: the device's free copy needs a copy again
+    tier.host_pool.discard(tier.host_pool.get(HA[2]))
+    tier.flush()
+    assert len(walks) == 2 and len(copier.queue) == 1
+    copier.run()
+    tier.flush()
+    assert len(walks) == 2 and set(tier.host_pool.cached_block_hashes()) == set(HA[:3])
+    # new cached blocks join the free queue: walked, and copied down
+    runner.run(make_request("b", SHORT + PROMPT_A[:7], max_tokens=1))
+    tier.flush()
+    assert len(walks) >= 3 and len(copier.queue) == 1
+    copier.run()
+    tier.flush()
+    assert set(hash_request_blocks(SHORT + PROMPT_A[:7], BS)) <= set(tier.host_pool.cached_block_hashes())
+
+
 def test_clear_waits_for_the_copies_in_flight(manual):
     scheduler, tier, runner, copier = manual
     runner.run(make_request("a", PROMPT_A, max_tokens=1))

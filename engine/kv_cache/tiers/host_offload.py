@@ -65,6 +65,7 @@ class HostOffloader:
         self._offloads: deque[_Offload] = deque()  # in flight, oldest first
         self._in_flight: dict[int, _Offload] = {}  # device block id -> its offload
         self._given_up: set[int] = set()  # device block ids whose copy failed or found no slot
+        self._walked: tuple[int, int] | None = None  # (free queue, host pool) versions at the last walk
 
     def attach(self, block_pool: BlockPool, num_ahead: int) -> None:
         if num_ahead < 0:
@@ -129,9 +130,21 @@ class HostOffloader:
         self.host_pool.touch(entries[::-1])
 
     def flush(self) -> None:
-        """Start copying down the ``num_ahead`` blocks the next allocations would evict."""
-        if self._block_pool is not None:
-            self._block_pool.offload_ahead(self.num_ahead)
+        """Start copying down the ``num_ahead`` blocks the next allocations would evict.
+
+        After a walk none of them needs a copy (each is started, or ready, or given up), and
+        one can need it again only by joining the free queue's head or by its hash leaving the
+        host pool: while neither the queue nor the pool's hashes have changed, the walk (~0.5 us
+        per block: 512 blocks with CUDA's defaults, every step) is skipped, and only the landed
+        copies are booked."""
+        pool = self._block_pool
+        if pool is None:
+            return
+        if self._walked == (pool.free_queue_version, self.host_pool.version):
+            self.poll()
+            return
+        pool.offload_ahead(self.num_ahead)
+        self._walked = (pool.free_queue_version, self.host_pool.version)
 
     def poll(self) -> None:
         """Book the landed offloads, oldest first (jobs finish in submission order)."""
@@ -159,6 +172,7 @@ class HostOffloader:
     def clear(self) -> None:
         """Forget failed copies (after a ``poll`` of every job: nothing in flight)."""
         self._given_up.clear()
+        self._walked = None  # blocks given up on may need a copy again
 
     def pinned_slots(self) -> Counter[int]:
         """The host slots the offloads in flight pin (one pin each)."""

@@ -119,6 +119,7 @@ class HostBlockPool:
         self._entries: OrderedDict[BlockHash, HostEntry] = OrderedDict()  # LRU first
         self._free_slots = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest slot
         self._num_ready = 0
+        self.version = 0  # changes whenever a hash is added or removed
         self._events: list[KVCacheEvent] = []
         self._sink = event_sink if event_sink is not None else self._events.append
         self._on_evict = on_evict
@@ -178,6 +179,7 @@ class HostBlockPool:
             return None
         entry = HostEntry(self._free_slots.pop(), block_hash, parent_hash, tuple(token_ids), num_pins=1)
         self._entries[block_hash] = entry
+        self.version += 1
         return entry
 
     def commit(self, entries: Sequence[HostEntry]) -> None:
@@ -201,6 +203,7 @@ class HostBlockPool:
         if self._entries.get(entry.block_hash) is not entry or entry.num_pins:
             raise RuntimeError(f"discarding host slot {entry.slot}: not held here, or pinned")
         del self._entries[entry.block_hash]
+        self.version += 1
         self._free_slots.append(entry.slot)
         self._num_ready -= entry.is_ready
         if entry.is_ready:
@@ -215,6 +218,7 @@ class HostBlockPool:
             raise RuntimeError(f"clearing the host pool while slots {pinned[:8]} are pinned by copies in flight")
         self._free_slots = list(range(self.num_blocks - 1, -1, -1))
         self._entries.clear()
+        self.version += 1
         self._num_ready = 0
         if emit:
             self._sink(AllBlocksCleared(Tier.HOST))
@@ -265,6 +269,7 @@ class HostBlockPool:
         for entry in victims:
             del self._entries[entry.block_hash]
             self._free_slots.append(entry.slot)
+        self.version += 1
         self._num_ready -= len(victims)  # unpinned entries are ready
         self.num_evicted_blocks += len(victims)
         self._sink(BlockRemoved([e.block_hash for e in victims], Tier.HOST))
