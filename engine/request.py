@@ -39,6 +39,10 @@ class RequestStatus(enum.Enum):
     # request is FINISHED_STOPPED or FINISHED_LENGTH instead.
     FINISHED_PREFILLED = "prefilled"
 
+    # identity, as equality is: Enum's own hashes the name in Python, and a status is looked up
+    # in FINISHED for every request of every step
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in FINISHED

@@ -29,10 +29,12 @@ the same buffers (what the CPU tests use to check the buffer bookkeeping, paddin
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from engine.mathutils import cdiv
@@ -40,6 +42,8 @@ from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.runner.inputs import ScheduledSeq
 from engine.sampling.sampler import greedy_tokens
 from kernels.paged_attention import SPLIT_MIN_CONTEXT, decode_num_splits
+
+BATCHED_STAGING_ROWS = 32  # from this many sequences a step's inputs are staged with numpy (below: row by row)
 
 
 class StepLogits(NamedTuple):
@@ -113,25 +117,12 @@ class DecodeBuffers:
         """Stage one decode token per sequence and pad up to ``bucket`` rows; ValueError if a
         block table is too short or the step does not fit the buffers. ``input_ids`` (on the
         device) replace the first sequences' tokens. Returns the most blocks a sequence reads."""
-        n, bs = len(seqs), self.block_size
-        most = 1
+        n = len(seqs)
         if not n <= bucket <= self.max_seqs:
             raise ValueError(f"{n} sequences in a bucket of {bucket}: at most {self.max_seqs}")
         if self._staged is not None:
             self._staged.synchronize()
-        host_ids, positions, slot_mapping, seq_lens = self._np
-        for i, s in enumerate(seqs):
-            pos = s.start_pos
-            needed = pos // bs + 1
-            if len(s.block_ids) < needed or needed > self.max_blocks:
-                raise ValueError(f"sequence {i} needs {needed} blocks for {pos + 1} tokens, its block "
-                                 f"table has {len(s.block_ids)} (at most {self.max_blocks} fit)")
-            host_ids[i] = s.token_ids[0]
-            positions[i] = pos
-            slot_mapping[i] = s.block_ids[pos // bs] * bs + pos % bs
-            seq_lens[i] = pos + 1
-            self._np_tables[i, :needed] = s.block_ids[:needed]
-            most = max(most, needed)
+        most = self._stage_rows(seqs) if n < BATCHED_STAGING_ROWS else self._stage_batch(seqs)
         self._pad(n, bucket)
         for host, dev in (*self._pairs, self._block_tables):
             dev[:bucket].copy_(host[:bucket], non_blocking=True)
@@ -140,6 +131,51 @@ class DecodeBuffers:
         if input_ids is not None:
             self._input_ids[1][:len(input_ids)].copy_(input_ids)
         return most
+
+    def _too_short(self, i: int, seq: ScheduledSeq) -> ValueError:
+        needed = seq.start_pos // self.block_size + 1
+        return ValueError(f"sequence {i} needs {needed} blocks for {seq.start_pos + 1} tokens, its block "
+                          f"table has {len(seq.block_ids)} (at most {self.max_blocks} fit)")
+
+    def _stage_rows(self, seqs: Sequence[ScheduledSeq]) -> int:
+        """``write``'s staging, row by row (a few rows: ~1 us each)."""
+        bs, most = self.block_size, 1
+        host_ids, positions, slot_mapping, seq_lens = self._np
+        for i, s in enumerate(seqs):
+            pos = s.start_pos
+            needed = pos // bs + 1
+            if len(s.block_ids) < needed or needed > self.max_blocks:
+                raise self._too_short(i, s)
+            host_ids[i] = s.token_ids[0]
+            positions[i] = pos
+            slot_mapping[i] = s.block_ids[pos // bs] * bs + pos % bs
+            seq_lens[i] = pos + 1
+            self._np_tables[i, :needed] = s.block_ids[:needed]
+            most = max(most, needed)
+        return most
+
+    def _stage_batch(self, seqs: Sequence[ScheduledSeq]) -> int:
+        """``write``'s staging as a dozen numpy operations over every row: a block table's row
+        written from a list costs ~1.5 us, ~0.4 ms of a 256-row step row by row."""
+        n, bs = len(seqs), self.block_size
+        host_ids, positions, slot_mapping, seq_lens = self._np
+        pos = np.fromiter([s.start_pos for s in seqs], np.int64, n)
+        tables = [s.block_ids for s in seqs]
+        lengths = np.fromiter(map(len, tables), np.int64, n)
+        needed = pos // bs + 1
+        bad = np.flatnonzero((lengths < needed) | (needed > self.max_blocks))
+        if bad.size:
+            raise self._too_short(int(bad[0]), seqs[int(bad[0])])
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int64, int(lengths.sum()))
+        starts = np.cumsum(lengths) - lengths  # each table's offset in ``flat``
+        host_ids[:n] = [s.token_ids[0] for s in seqs]
+        positions[:n] = pos
+        slot_mapping[:n] = flat[starts + needed - 1] * bs + pos % bs
+        seq_lens[:n] = pos + 1
+        # row i's first needed[i] columns <- flat[starts[i]:starts[i] + needed[i]]
+        column = np.arange(int(needed.sum())) - np.repeat(np.cumsum(needed) - needed, needed)
+        self._np_tables[np.repeat(np.arange(n), needed), column] = flat[np.repeat(starts, needed) + column]
+        return int(needed.max())
 
     def inputs(self, bucket: int, num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                           AttentionMetadata]:

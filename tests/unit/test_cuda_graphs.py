@@ -15,7 +15,9 @@ from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache.storage import allocate_kv_cache
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.cuda_graphs import (
+    BATCHED_STAGING_ROWS,
     CudaGraphCapture,
+    DecodeBuffers,
     DecodeGraphs,
     EagerCapture,
     NoDecodeGraphs,
@@ -209,6 +211,35 @@ def test_what_the_graphs_do_not_take(model, device):
     with pytest.raises(ValueError, match="sequence 0 needs 2 blocks for 5 tokens, its block table has 1"):
         graphs.run([ScheduledSeq([1], 4, [0])])
     assert not NoDecodeGraphs().can_run([decode])
+
+
+@pytest.mark.parametrize("num_seqs", [BATCHED_STAGING_ROWS - 1, BATCHED_STAGING_ROWS + 5])
+def test_staged_inputs_row_by_row_and_batched(num_seqs):
+    """Either side of BATCHED_STAGING_ROWS a step stages the same values: each row's token,
+    position, slot and context, its block table's first columns, then padding."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    buffers = DecodeBuffers(64, 12, BLOCK_SIZE, torch.device("cpu"))
+    seqs = []
+    for i in range(num_seqs):
+        pos = int(torch.randint(0, 12 * BLOCK_SIZE, (), generator=gen))
+        table = torch.randperm(500, generator=gen)[:pos // BLOCK_SIZE + 1 + i % 3].tolist()  # some longer
+        seqs.append(ScheduledSeq([1000 + i], pos, table))
+    bucket = num_seqs + 3
+    most = buffers.write(seqs, bucket)
+    input_ids, positions, attn = buffers.inputs(bucket)
+    needed = [s.start_pos // BLOCK_SIZE + 1 for s in seqs]
+    assert most == max(needed)
+    assert input_ids.tolist() == [1000 + i for i in range(num_seqs)] + [0] * 3
+    assert positions.tolist() == [s.start_pos for s in seqs] + [0] * 3
+    assert attn.slot_mapping.tolist() == [s.block_ids[s.start_pos // BLOCK_SIZE] * BLOCK_SIZE
+                                          + s.start_pos % BLOCK_SIZE for s in seqs] + [-1] * 3
+    assert attn.seq_lens.tolist() == [s.start_pos + 1 for s in seqs] + [1] * 3
+    for row, (s, n) in enumerate(zip(seqs, needed)):
+        assert attn.block_tables[row, :n].tolist() == s.block_ids[:n]
+    short = [*seqs[:-1], ScheduledSeq([1], 2 * BLOCK_SIZE, [7, 8])]
+    with pytest.raises(ValueError, match=f"sequence {num_seqs - 1} needs 3 blocks for {2 * BLOCK_SIZE + 1} "
+                                         "tokens, its block table has 2"):
+        buffers.write(short, bucket)
 
 
 def test_warm_up_launches_every_attention_variant_without_writing_the_cache(model, device, monkeypatch):

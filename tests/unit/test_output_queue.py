@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from engine import SamplingParams
+from engine.request import Request
 from engine.sampling.logprobs import PositionLogprobs
 from engine.scheduler.output import RequestOutput
 from services.common.async_engine import AsyncEngine, EngineDead, OutputQueue
@@ -52,6 +53,13 @@ def test_absorb_joins_the_tokens_and_logprobs_and_keeps_the_later_state():
     assert (joined.num_computed_tokens, joined.num_cached_tokens, joined.num_prompt_tokens) == (8, 4, 5)
     assert first.new_token_ids == [5] and later.new_token_ids == [6, 7]  # neither changed
     assert first.absorb(out("r", [6])).new_logprobs == [lp(5)]
+
+
+def test_a_steps_output_carries_the_requests_state():
+    request = Request("r/1", [1, 2, 3], SamplingParams(), parent_id="r", index=1)
+    request.num_cached_tokens, request.num_computed_tokens = 2, 3
+    assert RequestOutput.of(request, [7]) == RequestOutput(
+        "r/1", [7], num_prompt_tokens=3, num_cached_tokens=2, num_computed_tokens=3, parent_id="r", index=1)
 
 
 def test_what_is_never_absorbed():
