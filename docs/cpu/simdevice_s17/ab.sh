@@ -8,6 +8,8 @@ for r in $(seq ${ROUNDS:-2}); do
   order="old new"; [ $((r % 2)) = 0 ] && order="new old"  # no side always first
   for t in $order; do
     root=${NEW:-$HERE}; [ $t = old ] && root=${OLD:-/tmp/ab_old}
-    cd $root && echo "$t: $(ROOT=$root N=${N:-384} timeout 600 .venv/bin/python $HERE/docs/cpu/simdevice_s17/served.py "$MODE" 2>&1 | grep 'c=64\|ttft' | tr '\n' ' ')"
+    # the checkout first on the path: the hook imports the engine before anything else does,
+    # and would otherwise take it from the venv's editable install (the main checkout)
+    cd $root && echo "$t: $(PYTHONPATH=$root:$PYTHONPATH ROOT=$root N=${N:-384} timeout 600 .venv/bin/python $HERE/docs/cpu/simdevice_s17/served.py "$MODE" 2>&1 | grep 'c=64\|ttft' | tr '\n' ' ')"
   done
 done
