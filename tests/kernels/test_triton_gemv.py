@@ -161,6 +161,24 @@ def test_choose_times_every_candidate_and_keeps_the_fastest():
     assert weights[0].config(gemv.NONE, 1) == gemv.DEFAULT_CONFIG
 
 
+def test_a_process_times_a_shape_once(monkeypatch):
+    monkeypatch.setattr(gemv, "_CHOSEN", {})
+    monkeypatch.setattr(gemv, "ROUNDS", 1)
+    timed = []
+    seconds = gemv._seconds
+    monkeypatch.setattr(gemv, "_seconds", lambda *args: (timed.append(1), seconds(*args))[1])
+    gen = torch.Generator().manual_seed(6)
+    first = [_weight(16, 32, torch.float32, None, gen) for _ in range(2)]
+    choices = gemv.choose(first, gemv.SILU_MUL, rows=(1,))
+    assert len(timed) == 1 + len(gemv.CANDIDATES[1])
+    again = [_weight(16, 32, torch.float32, None, gen) for _ in range(3)]  # another engine, same shape
+    assert gemv.choose(again, gemv.SILU_MUL, rows=(1,)) == choices
+    assert len(timed) == 1 + len(gemv.CANDIDATES[1])  # nothing timed again
+    assert all(w.config(gemv.SILU_MUL, 1) == choices[0].config for w in again)
+    gemv.choose([_weight(16, 48, torch.float32, None, gen)], gemv.SILU_MUL, rows=(1,))
+    assert len(timed) == 2 * (1 + len(gemv.CANDIDATES[1]))  # another shape is timed
+
+
 def test_the_engine_times_each_decode_matmul_and_survives_a_failure(monkeypatch):
     from engine.runner.warmup import choose_decode_matmuls
     from tests.unit.test_cuda_graphs import CONFIG, random_weights
