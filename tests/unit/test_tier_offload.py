@@ -130,6 +130,11 @@ def test_flush_walks_the_free_queue_again_only_when_it_or_the_host_pool_changed(
     copier.run()
     tier.flush()  # no walk, but the landed copy is booked
     assert len(walks) == 1
+    for num_ahead in (6, 8):  # another span: walked again, though nothing else changed
+        tier.attach(pool, num_ahead=num_ahead)
+        tier.flush()
+    assert walks == [8, 6, 8] and len(copier.queue) == 0
+    del walks[1:]
     assert events(scheduler) == [BlockStored(HA[:3], None, PROMPT_A[:12], BS, Tier.HOST)]
     # the host pool lets go of A's last block: the device's free copy needs a copy again
     tier.host_pool.discard(tier.host_pool.get(HA[2]))

@@ -71,6 +71,7 @@ class HostOffloader:
         if num_ahead < 0:
             raise ValueError(f"num_ahead must be >= 0, got {num_ahead}")
         self._block_pool, self.num_ahead = block_pool, num_ahead
+        self._walked = None  # another pool, or another span to walk
         block_pool.set_offloader(self)
 
     def eviction_state(self, block: KVBlock) -> EvictionState:
