@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +172,20 @@ class Tokenizer:
         if negative is not None:
             raise ValueError(f"token_ids[{negative}] must be a non-negative int, got {ids[negative]}")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context: Sequence[int],
+                      skip_special_tokens: bool = True) -> Callable[[int], str | None] | None:
+        """Streamed decoding of generated ids after ``context`` (the text before them): a function
+        that takes the next id and returns the text it completes, or None while there is none
+        yet (a character still incomplete, a skipped special token). It is ``tokenizers``'
+        ``DecodeStream``, which slides the same window as ``IncrementalDetokenizer``'s own in one
+        call per token where that one makes two. None where this ``tokenizers`` has no stream
+        that takes a context."""
+        try:
+            stream = decoders.DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        except (AttributeError, TypeError):  # tokenizers < 0.22
+            return None
+        return partial(stream.step, self._backend)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": str, "content": str}, ...]) with the model's Jinja template,

@@ -5,6 +5,10 @@ give the context (so tokenizers that glue a leading space to a word decode it ri
 tokens after ``read`` are new. The new text is released only when it does not end in U+FFFD:
 a multi-byte character split across tokens decodes as U+FFFD until its last byte arrives.
 
+A tokenizer that offers ``decode_stream`` (engine/models/tokenizer.py: ``tokenizers``'
+``DecodeStream``) decodes each token in one call instead of the window's two; the window is kept
+beside it for ``finish``'s flush, and decoding falls back to it should the stream refuse a token.
+
 Stop strings are matched on the text, so they are found across token boundaries. Text that
 could still be the start of a stop string is held back from the stream; on a match the text
 is cut before the stop string (or after it with include_stop_str_in_output). Invariant: the
@@ -13,7 +17,7 @@ concatenated deltas equal ``text`` once the sequence is stopped or finished.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +30,8 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class Decoder(Protocol):
     """``decode``; a tokenizer may also offer ``decode_generated`` (the same for a list of ids
-    a model generated, without argument checks), which is used when present."""
+    a model generated, without argument checks) and ``decode_stream`` (one call per token, as
+    ``Tokenizer.decode_stream``), which are used when present."""
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -50,6 +55,9 @@ class IncrementalDetokenizer:
         self._decode = getattr(tokenizer, "decode_generated", tokenizer.decode)
         self.params = params
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
+        decode_stream = getattr(tokenizer, "decode_stream", None)
+        self._step: Callable[[int], str | None] | None = (
+            None if decode_stream is None else decode_stream(context, params.skip_special_tokens))
         self._token_ids = context  # the decode window's tokens: context + output
         self._prefix_offset = 0  # window[prefix:read] is already text (or prompt context)
         self._read_offset = len(context)
@@ -84,7 +92,10 @@ class IncrementalDetokenizer:
             self._num_output_tokens += 1
             old_len = len(self._text)
             self._token_ids.append(token_id)
-            self._decode_new_text()
+            if self._step is None:
+                self._decode_new_text()
+            else:
+                self._step_stream(token_id)
             if self._num_output_tokens >= self.params.min_tokens and self._match_stop(old_len):
                 self._is_finished = True
                 return self._stop_check
@@ -109,6 +120,21 @@ class IncrementalDetokenizer:
         if self._read_offset < len(self._token_ids):
             self._decode_new_text(flush=True)
         self._is_finished = True
+
+    def _step_stream(self, token_id: int) -> None:
+        """``_decode_new_text`` for the newest token, by the tokenizer's stream; the window
+        slides where the stream releases text, as it would have there."""
+        assert self._step is not None
+        try:
+            piece = self._step(token_id)
+        except Exception:  # noqa: BLE001 - the stream refused the text (not prefix-stable): the window decodes from here
+            self._step = None
+            self._decode_new_text()
+            return
+        if piece is not None:
+            self._text += piece
+            del self._token_ids[:self._read_offset]
+            self._read_offset = len(self._token_ids)
 
     def _decode_new_text(self, flush: bool = False) -> None:
         skip = self.params.skip_special_tokens

@@ -108,6 +108,75 @@ def test_decode_generated_is_decode_for_generated_ids(tokenizer):
     assert detok._decode == tokenizer.decode_generated
 
 
+def _streamed(tokenizer, prompt, ids, skip=True, window=False):
+    """(each update's delta, the text) of IncrementalDetokenizer over ``ids`` one at a time,
+    by the tokenizer's stream or, with ``window``, by its own two decodes per token."""
+    from engine.sampling.detokenizer import IncrementalDetokenizer
+    from engine.sampling_params import SamplingParams
+
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(skip_special_tokens=skip))
+    assert (detok._step is not None) == (tokenizer.decode_stream(prompt, skip) is not None)
+    if window:
+        detok._step = None
+    deltas = []
+    for token_id in ids:
+        detok.update([token_id])
+        deltas.append(detok.get_delta())
+    detok.finish()
+    deltas.append(detok.get_delta())
+    return deltas, detok.text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_stream_releases_what_the_window_releases(tokenizer, skip):
+    """Token by token, the tokenizer's stream hands out the same deltas as the detokenizer's
+    own window: multi-byte characters split over tokens, special tokens, ids past the vocabulary,
+    an incomplete character flushed at the end, and random ids."""
+    if tokenizer.decode_stream([], skip) is None:
+        pytest.skip("this tokenizers has no DecodeStream that takes a context")
+    rng = np.random.default_rng(0)
+    cases = [tokenizer.encode(text) for text in TEXTS] + [
+        tokenizer.encode("🙂 é 你好")[:-1] + [10**6, 2, 0],  # ends inside a character
+        rng.integers(0, tokenizer.vocab_size, 400).tolist(),
+    ]
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Say it."}])
+    for ids in cases:
+        for context in (prompt, []):
+            assert (_streamed(tokenizer, context, ids, skip)
+                    == _streamed(tokenizer, context, ids, skip, window=True)), ids
+    deltas, text = _streamed(tokenizer, prompt, tokenizer.encode(TEXTS[2]), skip)
+    assert "".join(deltas) == text == TEXTS[2]
+
+
+def test_a_stream_that_refuses_a_token_hands_the_rest_to_the_window(tokenizer):
+    """Should the stream raise (a decoder whose text is not prefix-stable), that token and the
+    rest decode by the window, and nothing is lost or repeated."""
+    from engine.sampling.detokenizer import IncrementalDetokenizer
+    from engine.sampling_params import SamplingParams
+
+    text = "naïve café, Ünïcödé and 你好，世界"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    if detok._step is None:
+        pytest.skip("this tokenizers has no DecodeStream that takes a context")
+    stream, calls = detok._step, []
+
+    def refuses_the_fifth(token_id):
+        calls.append(token_id)
+        if len(calls) == 5:
+            raise RuntimeError("invalid prefix")
+        return stream(token_id)
+
+    detok._step = refuses_the_fifth
+    deltas = []
+    for token_id in ids:
+        detok.update([token_id])
+        deltas.append(detok.get_delta())
+    detok.finish()
+    assert "".join(deltas) + detok.get_delta() == detok.text == text
+    assert len(calls) == 5 and detok._step is None
+
+
 def test_encode_rejects_non_text(tokenizer):
     with pytest.raises(ValueError, match="must be a str"):
         tokenizer.encode([1, 2])
