@@ -211,7 +211,7 @@ class EngineCore:
         (``ModelRunner.launch``). A step of at least a block's worth of tokens is
         prefill-dominated: its rate feeds the recompute estimate of the host tier's load
         decisions."""
-        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
+        block_ids = {r.request_id: self.kv_manager.block_table(r.request_id) for r in sched.scheduled}
         draft_probs = self.spec.fill(sched, block_ids)
         started = time.perf_counter()
         timing = self.step_timer.start()

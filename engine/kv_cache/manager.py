@@ -44,6 +44,7 @@ class _RequestBlocks:
     blocks: list[KVBlock]
     num_cached_blocks: int  # leading blocks already offered to the prefix cache
     num_tokens: int  # tokens the table was last allocated for, lowered by truncate
+    table: tuple[int, ...] | None = None  # the blocks' ids, built once per change (block_table)
 
 
 class KVCacheManager:
@@ -74,8 +75,17 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table ([] for an unknown request)."""
+        return list(self.block_table(request_id))
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """``get_block_ids`` as a tuple that stays the same object until the table changes: a
+        step's staging converts a table it has seen before only once (``DecodeBuffers``)."""
         state = self._requests.get(request_id)
-        return [b.block_id for b in state.blocks] if state else []
+        if state is None:
+            return ()
+        if state.table is None:
+            state.table = tuple([b.block_id for b in state.blocks])
+        return state.table
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks, and the number of tokens it covers.
@@ -144,6 +154,7 @@ class KVCacheManager:
         elif not (num_appended or cow_indices or new_computed_blocks):  # a token in a block it owns
             state.num_tokens = num_total_tokens
             return []
+        state.table = None  # changes below
         # Touch before allocating, so the pool cannot evict a block we are about to reuse.
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
@@ -200,6 +211,8 @@ class KVCacheManager:
         num_kept = cdiv(max(num_tokens, 0), self.block_size)
         dropped = state.blocks[num_kept:]
         del state.blocks[num_kept:]
+        if dropped:
+            state.table = None
         self.block_pool.free_blocks(reversed(dropped))
         state.num_cached_blocks = min(state.num_cached_blocks, num_kept)
         state.num_tokens = min(state.num_tokens, num_tokens)
@@ -263,6 +276,9 @@ class KVCacheManager:
                                f"(load holds count as pins) (block_id, ref_cnt, tables + pins): {wrong[:10]}")
         for request_id, state in self._requests.items():
             ids = [b.block_id for b in state.blocks]
+            if state.table is not None and list(state.table) != ids:
+                raise RuntimeError(f"request {request_id!r}: its cached table {state.table} is not "
+                                   f"its blocks' ids {ids}")
             if len(set(ids)) != len(ids) or state.num_cached_blocks > len(ids):
                 raise RuntimeError(f"request {request_id!r}: table {ids} repeats a block or "
                                    f"num_cached_blocks={state.num_cached_blocks} exceeds its length")

@@ -9,6 +9,7 @@ Index regions of one step with three sequences (a decode, a prefill chunk, a ver
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ class ScheduledSeq:
 
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: Sequence[int]
     num_logits: int = 1
 
 
@@ -111,7 +112,7 @@ def _decode_input(seqs: list[ScheduledSeq], block_size: int, device: torch.devic
     attn = AttentionMetadata(
         slot_mapping=torch.tensor([s.block_ids[pos // block_size] * block_size + pos % block_size
                                    for s, pos in zip(seqs, positions)], dtype=torch.int64, device=device),
-        block_tables=torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs],
+        block_tables=torch.tensor([[*s.block_ids, *[0] * (width - len(s.block_ids))] for s in seqs],
                                   dtype=torch.int32, device=device),
         seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=device),
         cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -128,7 +129,7 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.shape[0]
 
-    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+    def execute(self, sched: SchedulerOutput, block_ids: Mapping[str, Sequence[int]],
                 draft_probs: dict[str, torch.Tensor | None] | None = None) -> RunnerOutput:
         """Forward the scheduled tokens; sample for every request that reached its last token
         (and for the parallel samples forked from it this step); verify draft tokens of the
@@ -137,7 +138,7 @@ class ModelRunner:
         out = self.launch(sched, block_ids, draft_probs)
         return out.output() if isinstance(out, DeferredTokens) else out
 
-    def launch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+    def launch(self, sched: SchedulerOutput, block_ids: Mapping[str, Sequence[int]],
                draft_probs: dict[str, torch.Tensor | None] | None = None, defer: bool = False,
                chain: DeferredTokens | None = None) -> RunnerOutput | DeferredTokens:
         """``execute``, but with ``defer`` a step whose rows are sampled blind (``samples_blind``)
@@ -152,7 +153,7 @@ class ModelRunner:
         finally:
             self.core_share.step_ended()
 
-    def _execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]],
+    def _execute(self, sched: SchedulerOutput, block_ids: Mapping[str, Sequence[int]],
                  draft_probs: dict[str, torch.Tensor | None] | None, defer: bool,
                  chain: DeferredTokens | None) -> RunnerOutput | DeferredTokens:
         if sched.copy_ops:

@@ -16,6 +16,7 @@ With speculation off the engine holds a ``NoSpecDecoder`` (``protocol.py``) inst
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -100,7 +101,7 @@ class SpecDecoder:
             else:
                 request.spec_token_ids = [PLACEHOLDER_TOKEN] * k
 
-    def fill(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> dict[str, torch.Tensor | None]:
+    def fill(self, sched: SchedulerOutput, block_ids: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor | None]:
         """Trim drafts to what the budget allowed and run the model drafter into the reserved
         slots. Returns the drafted requests' q (n-gram drafts: none, a point mass)."""
         draft_probs: dict[str, torch.Tensor | None] = {}

@@ -15,7 +15,7 @@ the rejection sampler stays exact; greedy requests draft the argmax with a point
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class LayerSkipDrafter:
         return self.model.compute_logits(hidden[inp.logits_indices])
 
     def draft(self, requests: list[Request], ks: list[int],
-              block_ids: dict[str, list[int]]) -> list[Proposal]:
+              block_ids: Mapping[str, Sequence[int]]) -> list[Proposal]:
         first = [ScheduledSeq([r.token_view[-1]], r.num_tokens - 1, block_ids[r.request_id], 1)
                  for r in requests]
         return draft_autoregressive(requests, ks, first, self._forward,
@@ -113,7 +113,7 @@ class DraftModelDrafter:
         return self.model.compute_logits(hidden[inp.logits_indices])
 
     def draft(self, requests: list[Request], ks: list[int],
-              block_ids: dict[str, list[int]]) -> list[Proposal]:
+              block_ids: Mapping[str, Sequence[int]]) -> list[Proposal]:
         first, ks = [], list(ks)
         for i, r in enumerate(requests):
             tokens = r.all_token_ids

@@ -6,6 +6,7 @@ step is the same code with speculation on or off.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ class SpecDecoderProtocol(Protocol):
     def plan(self, running: list[Request], max_model_len: int) -> None:
         """Give each decoding request its draft slots (``request.spec_token_ids``)."""
 
-    def fill(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> dict[str, torch.Tensor | None]:
+    def fill(self, sched: SchedulerOutput, block_ids: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor | None]:
         """Trim drafts to what the schedule allowed and write them; returns each drafted
         request's draft probabilities q (None: a point mass) for the rejection sampler."""
         ...
@@ -43,7 +44,7 @@ class NoSpecDecoder:
     def plan(self, running: list[Request], max_model_len: int) -> None:
         pass
 
-    def fill(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> dict[str, torch.Tensor | None]:
+    def fill(self, sched: SchedulerOutput, block_ids: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor | None]:
         return {}
 
     def record(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,6 +241,63 @@ def test_staged_inputs_row_by_row_and_batched(num_seqs):
     with pytest.raises(ValueError, match=f"sequence {num_seqs - 1} needs 3 blocks for {2 * BLOCK_SIZE + 1} "
                                          "tokens, its block table has 2"):
         buffers.write(short, bucket)
+
+
+def test_batched_staging_over_steps_converts_each_table_tuple_once():
+    """Steps of 48 rows as a running batch has them: requests leave and join (rows shift),
+    tables grow (the manager hands a new tuple), one is copied on write (a new tuple, same
+    length), a list is changed in place between steps, a tuple appears twice. Every step stages
+    each row's slot and its table's needed columns, and converts only the tables that are new
+    since the step before, and the list."""
+
+    class CountingRows(list):  # the free rows: each conversion takes one
+        pops = 0
+
+        def pop(self, *args):
+            CountingRows.pops += 1
+            return super().pop(*args)
+
+    rng = np.random.default_rng(5)
+    buffers = DecodeBuffers(64, 40, BLOCK_SIZE, torch.device("cpu"))
+    buffers._free_rows = CountingRows(buffers._free_rows)
+    pos = {r: int(rng.integers(0, 20 * BLOCK_SIZE)) for r in range(48)}
+    tables: dict[int, tuple[int, ...] | list[int]] = {
+        r: tuple(rng.permutation(3000)[:pos[r] // BLOCK_SIZE + 2].tolist()) for r in pos}
+    tables[7] = list(tables[7])  # a caller's list: converted every step
+    next_id, fresh = 48, set(pos)
+    for step in range(40):
+        if step % 5 == 4:  # one leaves, one joins: every row after it shifts
+            del pos[sorted(pos)[step % len(pos)]]
+            pos[next_id] = int(rng.integers(0, 10 * BLOCK_SIZE))
+            tables[next_id] = tuple(rng.permutation(3000)[:pos[next_id] // BLOCK_SIZE + 1].tolist())
+            fresh.add(next_id)
+            next_id += 1
+        order = sorted(pos)
+        if step == 10:  # copy on write: the same length, a new block in the middle
+            r = order[3]
+            tables[r] = (*tables[r][:1], 2999, *tables[r][2:])
+            fresh.add(r)
+        if step == 12:
+            tables[7][0] = 2998  # in place
+        seqs = [ScheduledSeq([r], pos[r], tables[r]) for r in order]
+        if step == 20:
+            seqs.append(ScheduledSeq([0], pos[order[0]], tables[order[0]]))  # a table twice
+        CountingRows.pops = 0
+        buffers.write(seqs, len(seqs))
+        assert CountingRows.pops == len(fresh | ({7} & pos.keys())), step
+        _, _, attn = buffers.inputs(len(seqs))
+        for row, s in enumerate(seqs):
+            n = s.start_pos // BLOCK_SIZE + 1
+            assert attn.block_tables[row, :n].tolist() == list(s.block_ids[:n]), (step, row)
+            assert attn.slot_mapping[row] == s.block_ids[n - 1] * BLOCK_SIZE + s.start_pos % BLOCK_SIZE
+        fresh = set()
+        for r in pos:  # the next token; a block appended when it does not fit
+            pos[r] += 1
+            if pos[r] // BLOCK_SIZE + 1 > len(tables[r]):
+                table = tables[r]
+                tables[r] = table + [int(rng.integers(3000))] if isinstance(table, list) else (
+                    *table, int(rng.integers(3000)))
+                fresh.add(r)
 
 
 def test_warm_up_launches_every_attention_variant_without_writing_the_cache(model, device, monkeypatch):

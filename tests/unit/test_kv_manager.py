@@ -224,6 +224,27 @@ def test_pins_do_not_make_a_block_look_shared(mgr):
     assert mgr.get_block_ids("d") == [0, 1]
 
 
+def test_block_table_is_one_tuple_until_the_table_changes(mgr):
+    """``block_table``: the same tuple across steps that add no block (a step's staging
+    converts a table it has seen once), a new one when a block is appended, copied on write
+    or truncated away; ``get_block_ids`` a list of the same ids."""
+    run_prefill(mgr, "a", toks(6))  # blocks 0 and 1, 2 slots of block 1 computed
+    first = mgr.block_table("a")
+    assert first == (0, 1) and mgr.get_block_ids("a") == [0, 1]
+    assert mgr.allocate_slots("a", 7) == [] and mgr.block_table("a") is first  # a slot it owns
+    assert mgr.allocate_slots("a", 9) == [2]
+    grown = mgr.block_table("a")
+    assert grown == (0, 1, 2) and grown is not first
+    mgr.fork("a", "b")
+    assert mgr.block_table("b") == grown
+    assert mgr.allocate_slots("b", 10) == [3]  # b's write lands in shared block 2: a copy
+    assert mgr.take_copy_ops() == [(2, 3)]
+    assert mgr.block_table("b") == (0, 1, 3) and mgr.block_table("a") is grown
+    assert mgr.truncate("a", 5) == [2] and mgr.block_table("a") == (0, 1)
+    mgr.check_integrity()
+    assert mgr.block_table("unknown") == ()
+
+
 def test_fork_before_a_block_boundary_needs_no_copy(mgr):
     run_prefill(mgr, "a", toks(8))  # blocks 0 1, both full
     mgr.fork("a", "b")
