@@ -126,9 +126,9 @@ def main():
             time.sleep(1)
         watch = {role(cmd): p for p, (cmd, _) in before.items() if role(cmd) in ("decode", "router", "prefill")}
         tb = {r: threads(p) for r, p in watch.items()}
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = asyncio.run(load(c.http_url, model, prompts[:N]))
-        wall = time.perf_counter() - t0
+        wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         after = procs(pg)
         ta = {r: threads(p) for r, p in watch.items()}
         names = {}
@@ -160,12 +160,18 @@ def main():
             "  ttft stages ms (mean, incl. warm-up):",
             {k: round(v["sum"] / max(v["count"], 1) * 1e3, 1) for k, v in sums.items()},
         )
+        gaps = sorted(g for r in results if r.ok for g in r.gaps)
+        if gaps:  # (session 19) the streams' inter-token gaps
+            print(f"ITL p50 {gaps[len(gaps) // 2] * 1e3:.3f} ms mean {sum(gaps) / len(gaps) * 1e3:.3f} ms "
+                  f"over {len(gaps)} gaps")
         toks = sum(r.completion_tokens for r in results if r.ok)
         chunks = sum(len(r.stamps) for r in results if r.ok)
         print(
             f"{' '.join(UP)} c={CONC}: {toks} tokens in {wall:.2f} s = {toks / wall:.0f} tok/s, "
             f"{toks / chunks:.2f} tokens per SSE chunk, failed {sum(not r.ok for r in results)}"
         )
+        print(f"  client   (this load generator): {client_cpu:6.2f} CPU s = {client_cpu / toks * 1e6:7.0f} us/token "
+              f"({client_cpu / wall * 100:.0f}% of a core)")
         for pid, (cmd, t) in sorted(after.items()):
             d = t - before.get(pid, (cmd, 0.0))[1]
             if d > 0.05:
