@@ -47,6 +47,9 @@ MODES = {
     "nixl": ["--transfer", "nixl"],
     "grpc": ["--transfer", "grpc"],  # on one host the KV goes through shared memory
     "grpc-bytes": ["--transfer", "grpc", "--worker-args", "--kv-shared-memory off"],  # as gRPC bytes
+    # every prompt prefilled on the decode worker itself: the engine in a process of its own
+    # beside the router's event loop (colocated shares one GIL between the two)
+    "local": ["--transfer", "grpc", "--router-args", "--local-prefill-max-tokens 1000000"],
     "nixl-pinned": ["--transfer", "nixl", "--pin-cores"],
     "grpc-pinned": ["--transfer", "grpc", "--pin-cores"],
 }

@@ -10,7 +10,9 @@
 # tests took 144 s of their 150 on an H100 on 2026-11-26 (157 tests, 8 workers); now 273 tests,
 # one worker per core up to 16, 180 s. DEADLINE (seconds from the start) gives the served
 # load what is left of it; SERVE_MODES picks bench_serve's modes (default colocated,grpc; add
-# grpc-bytes for the gRPC push of bytes beside the same-host shared-memory one).
+# grpc-bytes for the gRPC push of bytes beside the same-host shared-memory one, local for the
+# router with a decode worker that prefills every prompt itself: the engine out of the router's
+# process, against colocated's one GIL for both; ~70 s more per mode).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_out} MODELS_DIR=${MODELS_DIR:-/tmp/pdserve-models}
 export PDSERVE_TESTS_ALLOW_NO_DEFAULT_MODEL=1

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--worker-args", default="",
         help="extra flags for every worker (after the engine flags, so they win), "
              "e.g. '--reservation-lease-ms 30000'")
+    add(parser, "--router-args", default="",
+        help="extra flags for the router (after the others, so they win), e.g. "
+             "'--local-prefill-max-tokens 512'")
     add(parser, "--kvstore-gib", type=float, default=1.0,
         help="capacity of the node's kvstore (one `pdserve serve kvstore` child); 0: none")
     add(parser, "--log-dir", default="", help="children's logs (default: a new temp dir)")
@@ -106,7 +109,8 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
     """The worker processes and the router process to start. Each gets ``--model`` and every
     engine flag whose value in ``args`` differs from its default (the user's, from the command
     line or ``PDSERVE_*``); the workers' ``--num-threads`` from the core split comes before
-    them, so one the user gave wins, and ``--worker-args`` come last. ``args.redis_url``
+    them, so one the user gave wins, and ``--worker-args`` come last (``--router-args`` last in
+    the router's). ``args.redis_url``
     (when set) goes to every worker and the router, ``kvstore_address`` (the node's kvstore,
     when one runs) to every worker."""
     workers: list[Child] = []
@@ -147,6 +151,7 @@ def plan(args: argparse.Namespace, log_dir: Path, kvstore_address: str = "") -> 
             "--prefill", ",".join(w.grpc_address for w in workers if w.name.startswith("prefill")),
             "--decode", ",".join(w.grpc_address for w in workers if w.name.startswith("decode")),
             "--transfer", args.transfer]
+    router_argv += args.router_args.split()
     router = Child("router", router_argv, f"{HOST}:{args.grpc_port}", log_dir / "router.log",
                    env=api_key_env(args, os.environ), http_port=args.http_port)
     return workers, router

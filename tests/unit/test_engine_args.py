@@ -217,6 +217,18 @@ def test_worker_args_come_after_the_engine_flags(tmp_path, monkeypatch):
         assert worker_parser(Role(role), 0).parse_args(flags).num_kv_blocks == 64
 
 
+def test_router_args_come_last_in_the_router_s_flags(tmp_path, monkeypatch):
+    from services.router.__main__ import parse_args as router_args
+
+    _, router = _plan(tmp_path, monkeypatch, "--transfer", "grpc",
+                      "--router-args", "--local-prefill-max-tokens 100000 --transfer nixl")
+    role, flags = _served(router.argv)
+    parsed = router_args(flags)
+    assert (parsed.local_prefill_max_tokens, parsed.transfer) == (100000, "nixl")
+    _, router = _plan(tmp_path, monkeypatch, "--transfer", "grpc")
+    assert router_args(_served(router.argv)[1]).local_prefill_max_tokens == 64
+
+
 def test_every_command_runs_a_module_that_exists():
     from services.cli import COMMANDS
 
