@@ -118,13 +118,17 @@ def _streamed(tokenizer, prompt, ids, skip=True, window=False):
     assert (detok._step is not None) == (tokenizer.decode_stream(prompt, skip) is not None)
     if window:
         detok._step = None
+    return _feed(detok, ids), detok.text
+
+
+def _feed(detok, ids):
+    """Each update's delta over ``ids`` one at a time, then finish's."""
     deltas = []
     for token_id in ids:
         detok.update([token_id])
         deltas.append(detok.get_delta())
     detok.finish()
-    deltas.append(detok.get_delta())
-    return deltas, detok.text
+    return [*deltas, detok.get_delta()]
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -168,12 +172,7 @@ def test_a_stream_that_refuses_a_token_hands_the_rest_to_the_window(tokenizer):
         return stream(token_id)
 
     detok._step = refuses_the_fifth
-    deltas = []
-    for token_id in ids:
-        detok.update([token_id])
-        deltas.append(detok.get_delta())
-    detok.finish()
-    assert "".join(deltas) + detok.get_delta() == detok.text == text
+    assert "".join(_feed(detok, ids)) == detok.text == text
     assert len(calls) == 5 and detok._step is None
 
 
