@@ -162,6 +162,43 @@ def test_a_release_still_in_flight_is_never_another_routers_request(redis_server
         policy.close()
 
 
+def test_a_burst_of_plans_sees_what_the_plans_before_it_began(redis_server, index):
+    """Plans waiting on their index lookups together decide one after another once the answers
+    are in: each reads the loads then (``current_loads``), so a burst of short prompts onto
+    idle decode workers spreads over them (it all went to the first while the loads were read
+    before the lookup: the Ray Serve test's second decode replica once got none of 8)."""
+    import threading
+
+    policy = policy_for(redis_server.url)
+    running = {"d0": 0, "d1": 0}  # what the backend begins right after each plan
+
+    def current_loads():
+        return PREFILL, [WorkerLoad(address=f"127.0.0.1:{w}", num_free_blocks=100, num_total_blocks=100,
+                                    block_size=BS, num_running=running[w], worker_id=w) for w in running]
+
+    gate = threading.Event()
+    try:
+        async def one(i: int):
+            plan = await policy.plan(f"r{i}", [1, 2, 3], GREEDY, *current_loads(), current_loads=current_loads)
+            running[plan.decode_address.rsplit(":", 1)[1]] += 1  # begun: no wait after the plan
+            return plan
+
+        async def burst() -> list:
+            policy._lookups._executor.submit(gate.wait, 5.0)  # the lookups queue behind one
+            plans = [asyncio.ensure_future(one(i)) for i in range(4)]
+            await asyncio.sleep(0.05)
+            gate.set()
+            return await asyncio.gather(*plans)
+
+        plans = asyncio.run(burst())
+        assert {p.path for p in plans} == {"local"} and running == {"d0": 2, "d1": 2}
+    finally:
+        gate.set()
+        for i in range(4):
+            policy.finish(f"r{i}")
+        policy.close()
+
+
 def test_a_burst_of_plans_shares_its_index_round_trips(redis_server, index):
     """Lookups that queue behind one in flight go to Redis together (services/index/batches.py):
     40 plans arriving while the lookup thread is busy take 2 round trips (32 + 8), each answered."""

@@ -42,6 +42,7 @@ from services.router.backends.sample import Sample
 from services.router.metrics import RouterMetrics
 from services.router.routing.policy import LoadPolicy, RoutingPolicy
 from services.router.routing.route_plan import RoutePlan
+from services.router.routing.worker_load import WorkerLoad
 from services.router.routing.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -151,10 +152,13 @@ class DisaggregatedBackend(Backend):
                 await self._configure_policy()
             except Exception as exc:  # noqa: BLE001 - logged; the index stays off, load routing
                 log.error("prefix index not usable: %s", exc)
-        loads = {role: [w.load() for w in self.pool.healthy(role)] for role in ("prefill", "decode")}
+        def loads() -> tuple[list[WorkerLoad], list[WorkerLoad]]:
+            return ([w.load() for w in self.pool.healthy("prefill")],
+                    [w.load() for w in self.pool.healthy("decode")])
+
         try:
             return await self.policy.plan(sample.request_id, sample.prompt, sample.params,
-                                          loads["prefill"], loads["decode"])
+                                          *loads(), current_loads=loads)
         except Exception:  # noqa: BLE001 - routing advice must never fail a request
             log.exception("routing plan of %s failed; routing by load", sample.request_id)
             self.route_decisions.record("remote/plan_error")

@@ -33,6 +33,10 @@ from services.router.routing.worker_load import WorkerLoad
 if TYPE_CHECKING:
     from services.router.metrics import RoutingRecorder
 
+# (prefill loads, decode loads) as they are now: a plan that waits (an index lookup) reads
+# them after its wait, so the plans of one burst see the work the ones before them began
+CurrentLoads = Callable[[], tuple[Sequence[WorkerLoad], Sequence[WorkerLoad]]]
+
 
 class RoutingPolicy(abc.ABC):
     """Picks workers by load (``pick_*``: the first try without a plan, and every retry) and
@@ -54,8 +58,11 @@ class RoutingPolicy(abc.ABC):
         """Take the workers' KV compatibility (prefix hashing follows it); see prefix_aware.py."""
 
     async def plan(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                   prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad]) -> RoutePlan | None:
-        """Where ``request_id`` runs; None: the ``pick_*`` methods choose as it goes."""
+                   prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad],
+                   current_loads: CurrentLoads | None = None) -> RoutePlan | None:
+        """Where ``request_id`` runs; None: the ``pick_*`` methods choose as it goes.
+        ``current_loads``: the (prefill, decode) loads read again when the plan is made, after
+        any wait (an index lookup), in place of ``prefill`` and ``decode``."""
         self.decisions.record("remote/load")
         return None
 

@@ -38,7 +38,7 @@ from services.index.client import IndexClient
 from services.index.config import IndexClientConfig
 from services.index.schema import IndexMeta
 from services.index.scripts import WorkerMatch
-from services.router.routing.policy import LoadPolicy
+from services.router.routing.policy import CurrentLoads, LoadPolicy
 from services.router.routing.prefix_scoring import RecentDecisions
 from services.router.routing.route_decisions import RouteDecisions
 from services.router.routing.route_plan import (
@@ -120,8 +120,11 @@ class PrefixAwarePolicy(LoadPolicy):
                                    self.meta.root_hash)
 
     async def plan(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                   prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad]) -> RoutePlan | None:
-        """Where ``request_id`` runs (route_plan.py); None when no worker fits the path."""
+                   prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad],
+                   current_loads: CurrentLoads | None = None) -> RoutePlan | None:
+        """Where ``request_id`` runs (route_plan.py); None when no worker fits the path. The
+        loads are ``current_loads()`` after the index lookup when given: the plans of a burst
+        wait for their lookups together, and each must see what the ones before it began."""
         started = time.perf_counter()
         block_size = self.meta.block_size if self.meta is not None else (decode or prefill)[0].block_size
         hashes: list[BlockHash] = []
@@ -134,6 +137,8 @@ class PrefixAwarePolicy(LoadPolicy):
                 if matches is not None:
                     self.routing.index_lookup(time.perf_counter() - lookup_started)
                 self.routing.set_index_available(self.index.is_available)
+        if current_loads is not None:
+            prefill, decode = current_loads()
         found = matches or {}
         decode_cands = self.recent["decode"].with_predictions(
             [decode_candidate(w, found.get(w.worker_id), self._others(found, w.worker_id))
