@@ -161,8 +161,9 @@ class DecodeBuffers:
         return most
 
     def _stage_batch(self, seqs: Sequence[ScheduledSeq]) -> int:
-        """``write``'s staging as a dozen numpy operations over every row: a block table's row
-        written from a list costs ~1.5 us, ~0.4 ms of a 256-row step row by row."""
+        """``write``'s staging as a dozen numpy operations over every row, the block tables
+        gathered from their converted rows (``_table_rows_of``): a block table's row written
+        from a list costs ~1.5 us, ~0.4 ms of a 256-row step row by row."""
         n, bs = len(seqs), self.block_size
         host_ids, positions, slot_mapping, seq_lens = self._np
         pos = np.fromiter([s.start_pos for s in seqs], np.int64, n)
@@ -188,12 +189,13 @@ class DecodeBuffers:
         keeps its row; any other table is converted into a free row. Rows of tuples this step
         does not have are freed; a list (mutable: it may change in place) is converted every
         time, into a row freed at once."""
+        # keyed by id(): each entry holds its table, so no id is reused while it is there
         old, new = self._row_of, {}
         rows = [-1] * len(tables)
         misses = []
         for i, table in enumerate(tables):
             hit = old.get(id(table))
-            if hit is not None and hit[0] is table:
+            if hit is not None:
                 new[id(table)] = hit
                 rows[i] = hit[1]
             else:
@@ -204,7 +206,7 @@ class DecodeBuffers:
         for i in misses:
             table = tables[i]
             hit = new.get(id(table))
-            if hit is None or hit[0] is not table:  # (a table twice in one step converts once)
+            if hit is None:  # (a tuple twice in one step converts once)
                 row = free.pop()
                 width = min(len(table), self.max_blocks)
                 self._table_rows[row, :width] = table[:width]

@@ -59,7 +59,7 @@ def test_the_plan_follows_the_index_and_reservations_reach_other_routers(redis_s
     policy = policy_for(redis_server.url)
     other = IndexClient(redis_server.url, META, CLIENT)
     try:
-        plan = asyncio.run(policy.plan("r1", PROMPT, GREEDY, PREFILL, DECODE))
+        plan = asyncio.run(policy.plan("r1", PROMPT, GREEDY, lambda: (PREFILL, DECODE)))
         assert (plan.path, plan.reason, plan.prefill_address) == ("remote", "prefix", "127.0.0.1:p1")
         deadline = time.monotonic() + 2.0
         while other.match([])["p1"].num_reserved != 1 and time.monotonic() < deadline:
@@ -79,7 +79,7 @@ def test_a_salted_prompt_does_not_match_the_unsalted_prefix(redis_server, index)
     policy = policy_for(redis_server.url)
     try:
         salted = GREEDY.replace(cache_salt="tenant-a")
-        plan = asyncio.run(policy.plan("r1", PROMPT, salted, PREFILL, DECODE))
+        plan = asyncio.run(policy.plan("r1", PROMPT, salted, lambda: (PREFILL, DECODE)))
         assert (plan.reason, plan.prefill_address) == ("load", "127.0.0.1:p0")
     finally:
         policy.close()
@@ -89,17 +89,17 @@ def test_a_burst_on_a_new_prefix_sticks_before_events_arrive(redis_server, index
     policy = policy_for(redis_server.url, local=0)
     fresh = list(range(500, 540))
     try:
-        first = asyncio.run(policy.plan("a", fresh, GREEDY, PREFILL, DECODE))
+        first = asyncio.run(policy.plan("a", fresh, GREEDY, lambda: (PREFILL, DECODE)))
         # p0 now looks busier by load, but the router remembers where the prefix went
         busier = [WorkerLoad(**{**vars_of(PREFILL[0]), "num_outstanding_prefill_tokens": 8}), PREFILL[1]]
-        second = asyncio.run(policy.plan("b", fresh, GREEDY, busier, DECODE))
+        second = asyncio.run(policy.plan("b", fresh, GREEDY, lambda: (busier, DECODE)))
         assert first.prefill_address == second.prefill_address == "127.0.0.1:p0"
         assert second.reason == "prefix"
         # ... and the decode worker that got it is picked again (it will hold the prefix), but
         # the suffix is not prefilled there until the index confirms the blocks landed: they
         # may still be computing or in transfer (route_plan's module docstring)
         policy.config = RouteConfig(local_prefill_max_tokens=8)
-        third = asyncio.run(policy.plan("c", fresh, GREEDY, PREFILL, DECODE))
+        third = asyncio.run(policy.plan("c", fresh, GREEDY, lambda: (PREFILL, DECODE)))
         assert (third.path, third.decode_address, third.prefill_address) == (
             "remote", first.decode_address, "127.0.0.1:p0")
         assert third.num_decode_cached_tokens == len(fresh)  # predicted there: not sent again
@@ -116,7 +116,7 @@ def test_redis_down_gives_load_only_plans_at_once(redis_server, index):
     try:
         redis_server.kill()
         started = time.perf_counter()
-        plans = [asyncio.run(policy.plan(f"r{i}", PROMPT, GREEDY, PREFILL, DECODE)) for i in range(5)]
+        plans = [asyncio.run(policy.plan(f"r{i}", PROMPT, GREEDY, lambda: (PREFILL, DECODE))) for i in range(5)]
         elapsed = time.perf_counter() - started
         assert {p.reason for p in plans} == {"index_unavailable"}
         assert elapsed < 1.0, f"5 plans took {elapsed:.3f} s with Redis down"
@@ -142,7 +142,7 @@ def test_a_release_still_in_flight_is_never_another_routers_request(redis_server
     policy = policy_for(redis_server.url)
     gate = threading.Event()
     try:
-        asyncio.run(policy.plan("r1", PROMPT, GREEDY, PREFILL, DECODE))  # reserves p1 and a decode worker
+        asyncio.run(policy.plan("r1", PROMPT, GREEDY, lambda: (PREFILL, DECODE)))  # reserves p1 and a decode worker
         deadline = time.monotonic() + 2.0
         while policy.index.match([])["p1"].num_reserved != 1 and time.monotonic() < deadline:
             time.sleep(0.01)  # the reservation is written in the background too
@@ -164,7 +164,7 @@ def test_a_release_still_in_flight_is_never_another_routers_request(redis_server
 
 def test_a_burst_of_plans_sees_what_the_plans_before_it_began(redis_server, index):
     """Plans waiting on their index lookups together decide one after another once the answers
-    are in: each reads the loads then (``current_loads``), so a burst of short prompts onto
+    are in: each reads the loads then, so a burst of short prompts onto
     idle decode workers spreads over them (it all went to the first while the loads were read
     before the lookup: the Ray Serve test's second decode replica once got none of 8)."""
     import threading
@@ -179,7 +179,7 @@ def test_a_burst_of_plans_sees_what_the_plans_before_it_began(redis_server, inde
     gate = threading.Event()
     try:
         async def one(i: int):
-            plan = await policy.plan(f"r{i}", [1, 2, 3], GREEDY, *current_loads(), current_loads=current_loads)
+            plan = await policy.plan(f"r{i}", [1, 2, 3], GREEDY, current_loads)
             running[plan.decode_address.rsplit(":", 1)[1]] += 1  # begun: no wait after the plan
             return plan
 
@@ -211,7 +211,7 @@ def test_a_burst_of_plans_shares_its_index_round_trips(redis_server, index):
     try:
         async def burst() -> list:
             policy._lookups._executor.submit(gate.wait, 5.0)  # a round trip in flight, say
-            plans = [asyncio.ensure_future(policy.plan(f"r{i}", PROMPT, GREEDY, PREFILL, DECODE))
+            plans = [asyncio.ensure_future(policy.plan(f"r{i}", PROMPT, GREEDY, lambda: (PREFILL, DECODE)))
                      for i in range(40)]
             await asyncio.sleep(0.05)
             gate.set()

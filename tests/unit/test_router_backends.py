@@ -121,7 +121,7 @@ def test_worker_errors_before_and_after_the_first_event():
 def test_the_load_policy_is_the_null_planner():
     policy = LoadPolicy()
     assert policy.is_configured and policy.plan_stage is None
-    assert asyncio.run(policy.plan("r", [1, 2], SamplingParams(), [], [])) is None
+    assert asyncio.run(policy.plan("r", [1, 2], SamplingParams(), lambda: ([], []))) is None
     assert policy.decisions.snapshot() == {"remote/load": 1}
     policy.finish("r")
     policy.close()

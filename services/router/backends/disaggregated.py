@@ -152,17 +152,17 @@ class DisaggregatedBackend(Backend):
                 await self._configure_policy()
             except Exception as exc:  # noqa: BLE001 - logged; the index stays off, load routing
                 log.error("prefix index not usable: %s", exc)
-        def loads() -> tuple[list[WorkerLoad], list[WorkerLoad]]:
-            return ([w.load() for w in self.pool.healthy("prefill")],
-                    [w.load() for w in self.pool.healthy("decode")])
-
         try:
-            return await self.policy.plan(sample.request_id, sample.prompt, sample.params,
-                                          *loads(), current_loads=loads)
+            return await self.policy.plan(sample.request_id, sample.prompt, sample.params, self._loads)
         except Exception:  # noqa: BLE001 - routing advice must never fail a request
             log.exception("routing plan of %s failed; routing by load", sample.request_id)
             self.route_decisions.record("remote/plan_error")
             return None
+
+    def _loads(self) -> tuple[list[WorkerLoad], list[WorkerLoad]]:
+        """The healthy (prefill, decode) workers' loads now (what this router began included)."""
+        return ([w.load() for w in self.pool.healthy("prefill")],
+                [w.load() for w in self.pool.healthy("decode")])
 
     def _first_attempt(self, sample: Sample, plan: RoutePlan | None) -> AsyncGenerator[TokenEvent, None]:
         """The sample on the path its plan chose: local when planned and possible, else remote."""

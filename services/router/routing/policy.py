@@ -33,8 +33,8 @@ from services.router.routing.worker_load import WorkerLoad
 if TYPE_CHECKING:
     from services.router.metrics import RoutingRecorder
 
-# (prefill loads, decode loads) as they are now: a plan that waits (an index lookup) reads
-# them after its wait, so the plans of one burst see the work the ones before them began
+# (prefill loads, decode loads) as they are now: a plan reads them when it decides, after any
+# wait (an index lookup), so the plans of one burst see the work the ones before them began
 CurrentLoads = Callable[[], tuple[Sequence[WorkerLoad], Sequence[WorkerLoad]]]
 
 
@@ -58,11 +58,9 @@ class RoutingPolicy(abc.ABC):
         """Take the workers' KV compatibility (prefix hashing follows it); see prefix_aware.py."""
 
     async def plan(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                   prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad],
-                   current_loads: CurrentLoads | None = None) -> RoutePlan | None:
+                   loads: CurrentLoads) -> RoutePlan | None:
         """Where ``request_id`` runs; None: the ``pick_*`` methods choose as it goes.
-        ``current_loads``: the (prefill, decode) loads read again when the plan is made, after
-        any wait (an index lookup), in place of ``prefill`` and ``decode``."""
+        ``loads()``: the workers' (prefill, decode) loads, read when the plan decides."""
         self.decisions.record("remote/load")
         return None
 

@@ -48,7 +48,6 @@ from services.router.routing.route_plan import (
     plan_route,
     prefill_candidate,
 )
-from services.router.routing.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 # A batch's lookups run in one script, its reservations in one pipeline: at most this many, so
@@ -120,13 +119,11 @@ class PrefixAwarePolicy(LoadPolicy):
                                    self.meta.root_hash)
 
     async def plan(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                   prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad],
-                   current_loads: CurrentLoads | None = None) -> RoutePlan | None:
+                   loads: CurrentLoads) -> RoutePlan | None:
         """Where ``request_id`` runs (route_plan.py); None when no worker fits the path. The
-        loads are ``current_loads()`` after the index lookup when given: the plans of a burst
-        wait for their lookups together, and each must see what the ones before it began."""
+        loads are read after the index lookup: the plans of a burst wait for their lookups
+        together, and each must see what the ones before it began."""
         started = time.perf_counter()
-        block_size = self.meta.block_size if self.meta is not None else (decode or prefill)[0].block_size
         hashes: list[BlockHash] = []
         matches: dict[str, WorkerMatch] | None = None
         if self.index is not None:
@@ -137,8 +134,8 @@ class PrefixAwarePolicy(LoadPolicy):
                 if matches is not None:
                     self.routing.index_lookup(time.perf_counter() - lookup_started)
                 self.routing.set_index_available(self.index.is_available)
-        if current_loads is not None:
-            prefill, decode = current_loads()
+        prefill, decode = loads()
+        block_size = self.meta.block_size if self.meta is not None else (decode or prefill)[0].block_size
         found = matches or {}
         decode_cands = self.recent["decode"].with_predictions(
             [decode_candidate(w, found.get(w.worker_id), self._others(found, w.worker_id))
